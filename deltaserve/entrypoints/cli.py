@@ -1,0 +1,72 @@
+"""The `deltaserve` command: `generate` and `make-tiny` (more subcommands arrive with the server and benchmarks).
+
+This module is the composition root of the command line, so it may import any layer (lazily, per subcommand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from deltaserve.entrypoints.llm import LLM
+    from deltaserve.sampling_params import SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    out = llm.generate(args.prompt, params)[0].outputs[0]
+    print(out.text)
+    logging.getLogger("deltaserve").info("%d tokens, finish_reason=%s", len(out.token_ids), out.finish_reason)
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
+    from deltaserve.utils.cli_args import dataclass_from_args
+
+    out = write_tiny_checkpoint(args.out_dir, dataclass_from_args(TinySpec, args))
+    print(f"wrote a tiny Kimi Linear checkpoint to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deltaserve.models.tiny import TinySpec
+    from deltaserve.utils.cli_args import add_dataclass_args
+
+    parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("--model", required=True, help="checkpoint directory")
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.set_defaults(func=_generate)
+
+    tiny = sub.add_parser("make-tiny", help="write a tiny random Kimi Linear checkpoint (no network needed)")
+    tiny.add_argument("out_dir", help="output directory")
+    add_dataclass_args(tiny, TinySpec, aliases={"top_k": "top-k"})
+    tiny.set_defaults(func=_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"deltaserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""What every layer needs to know about one flattened step, and the per-layer cache tensors it reads and writes.
+
+Passed explicitly down the forward call (no global context). Built by the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardBatch:
+    """One step over N sequences holding T new tokens in total, decode rows first.
+
+    Sequence i owns the new-token rows `cu_seqlens[i]:cu_seqlens[i+1]`; sequences `[0, num_decodes)` have exactly one
+    new token each (so they are also rows `[0, num_decodes)`), the rest are prefill chunks.
+    """
+
+    cu_seqlens: torch.Tensor
+    """[N + 1] int64 offsets of each sequence's new tokens."""
+    context_lens: torch.Tensor
+    """[N] int64 tokens per sequence after this step (already cached + new)."""
+    num_decodes: int
+    state_indices: torch.Tensor
+    """[N] int64 KDA state slot of each sequence (a fresh sequence's slot is zeroed by the caller)."""
+    block_tables: torch.Tensor
+    """[N, max_blocks] int64 MLA KV blocks of each sequence (padding entries: any valid block id)."""
+    slot_mapping: torch.Tensor
+    """[T] int64 flat KV cache row (block_id * block_size + offset) of each new token."""
+    checkpoint_positions: tuple[tuple[int, ...], ...] | None = None
+    """Per prefill sequence (index i - num_decodes), positions within this step's tokens after which the KDA states
+    are wanted (prefix-cache checkpoints); None for none."""
+    checkpoints: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Filled by KDA layers when `checkpoint_positions` is set: layer id -> per prefill sequence [n, H, Dk, Dv]."""
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    def prefill_cu_seqlens(self) -> torch.Tensor:
+        """[P + 1] offsets of the prefill sequences, relative to the first prefill row."""
+        cu = self.cu_seqlens[self.num_decodes :]
+        return cu - cu[0]
+
+
+@dataclass(frozen=True, slots=True)
+class KDALayerCache:
+    """Device tensors of one KDA layer."""
+
+    state: torch.Tensor
+    """[num_slots, H, Dk, Dv] fp32 recurrent states."""
+    conv: torch.Tensor
+    """[num_slots, 3 * H * Dh, K - 1] pre-conv windows of q, k, v."""
+
+
+@dataclass(frozen=True, slots=True)
+class MLALayerCache:
+    """Device tensors of one MLA layer."""
+
+    kv: torch.Tensor
+    """[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] latent rows."""
+
+
+LayerCache = KDALayerCache | MLALayerCache

@@ -1,0 +1,73 @@
+"""Multi-head latent attention (NoPE) layer over a paged latent cache: expanded prefill, absorbed decode."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.config import MLAConfig
+from deltaserve.layers.forward_batch import ForwardBatch, MLALayerCache
+from deltaserve.layers.linear import Linear, NormWeight
+from deltaserve.ops.mla import mla_decode, mla_prefill, mla_write_cache
+from deltaserve.ops.norm import rms_norm
+
+# transformers and NeMo use the module default 1e-6 here, not rms_norm_eps (model-spec §2.2).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    """One MLA mixer (model-spec §4). Caches [c ; kr] (R + Dr values) per token."""
+
+    def __init__(self, cfg: MLAConfig, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q_out = cfg.num_heads * cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(hidden_size, q_out, dtype)
+        else:
+            self.q_a_proj = Linear(hidden_size, cfg.q_lora_rank, dtype)
+            self.q_a_layernorm = NormWeight(cfg.q_lora_rank, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_out, dtype)
+        self.kv_a_proj_with_mqa = Linear(hidden_size, cfg.cache_row_width, dtype)
+        self.kv_a_layernorm = NormWeight(cfg.kv_lora_rank, dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
+        if cfg.use_output_gate:
+            self.g_proj = Linear(hidden_size, cfg.num_heads * cfg.v_head_dim, dtype)
+        self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, hidden_size, dtype)
+        self.scale = cfg.qk_head_dim**-0.5
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_parameters())
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
+        """x: [T, d] (after input_layernorm) -> [T, d]."""
+        cfg, nd, t = self.cfg, batch.num_decodes, x.shape[0]
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LATENT_NORM_EPS))
+        q = q.view(t, cfg.num_heads, cfg.qk_head_dim)
+        ckv = self.kv_a_proj_with_mqa(x)
+        c = rms_norm(ckv[:, : cfg.kv_lora_rank], self.kv_a_layernorm.weight, LATENT_NORM_EPS)
+        mla_write_cache(torch.cat([c, ckv[:, cfg.kv_lora_rank :]], dim=-1), cache.kv, batch.slot_mapping)
+        dims = dict(
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            scale=self.scale,
+        )
+        outs = []
+        if nd:
+            outs.append(
+                mla_decode(q[:nd], cache.kv, batch.block_tables[:nd], batch.context_lens[:nd], self.kv_b_proj.weight,
+                           **dims)
+            )
+        if nd < t:
+            outs.append(
+                mla_prefill(q[nd:], cache.kv, batch.block_tables[nd:], batch.prefill_cu_seqlens(),
+                            batch.context_lens[nd:], self.kv_b_proj.weight, **dims)
+            )
+        o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, cfg.num_heads * cfg.v_head_dim)
+        if cfg.use_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

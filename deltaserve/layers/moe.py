@@ -1,0 +1,74 @@
+"""Feed-forward blocks: the dense SiLU-GLU MLP and the routed + shared MoE (model-spec §5)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import MoEConfig
+from deltaserve.ops.activation import silu_and_mul
+from deltaserve.ops.moe import moe_experts, moe_route
+
+
+class GatedMLP(nn.Module):
+    """down(SiLU(gate x) * up x). gate and up are loaded into one [2I, d] matrix (one GEMM)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        i = self.intermediate_size
+        return {
+            "gate_proj.weight": self.gate_up[:i],
+            "up_proj.weight": self.gate_up[i:],
+            "down_proj.weight": self.down,
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)
+
+
+class MoE(nn.Module):
+    """Sigmoid router with correction bias (fp32), grouped top-k, experts grouped by expert, plus shared experts."""
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, i = cfg.num_experts, cfg.intermediate_size
+        # Router weight and selection bias stay fp32 (transformers keeps them in fp32 too).
+        self.gate_weight = nn.Parameter(torch.empty(e, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        self.shared_experts = (
+            GatedMLP(hidden_size, i * cfg.num_shared_experts, dtype) if cfg.num_shared_experts else None
+        )
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        i = self.cfg.intermediate_size
+        named = {"gate.weight": self.gate_weight, "gate.e_score_correction_bias": self.correction_bias}
+        for e in range(self.cfg.num_experts):
+            named[f"experts.{e}.w1.weight"] = self.w13[e, :i]
+            named[f"experts.{e}.w3.weight"] = self.w13[e, i:]
+            named[f"experts.{e}.w2.weight"] = self.w2[e]
+        if self.shared_experts is not None:
+            for name, t in self.shared_experts.checkpoint_tensors().items():
+                named[f"shared_experts.{name}"] = t
+        return named
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.gate_weight)  # [T, E] fp32
+        weights, ids = moe_route(
+            logits, self.correction_bias, top_k=cfg.top_k, num_expert_group=cfg.num_expert_group,
+            topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+            routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func,
+        )
+        y = moe_experts(x, self.w13, self.w2, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

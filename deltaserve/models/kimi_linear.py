@@ -1,0 +1,112 @@
+"""Kimi Linear (`KimiLinearForCausalLM`): KDA and MLA mixers by the 1-based layer lists, dense then MoE FFNs."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
+from deltaserve.config import ModelConfig
+from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
+from deltaserve.layers.kda import KDAttention
+from deltaserve.layers.linear import NormWeight
+from deltaserve.layers.mla import MLAttention
+from deltaserve.layers.moe import MoE, GatedMLP
+from deltaserve.ops.norm import rms_norm
+
+# transformers' save_pretrained writes the dense layer-0 MLP as block_sparse_moe.*; real checkpoints use mlp.*.
+_DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+
+
+class DecoderLayer(nn.Module):
+    """h += Mixer(RMSNorm(h)); h += FFN(RMSNorm(h))  (model-spec §2.1)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, self.eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = NormWeight(d, dtype)
+        self.post_attention_layernorm = NormWeight(d, dtype)
+        if config.layer_kinds[layer_id] == "kda":
+            self.self_attn: KDAttention | MLAttention = KDAttention(config.kda, d, self.eps, layer_id, dtype)
+        else:
+            self.self_attn = MLAttention(config.mla, d, dtype)
+        self.is_moe = config.is_moe_layer(layer_id)
+        if self.is_moe:
+            self.mlp: MoE | GatedMLP = MoE(config.moe, d, dtype)
+        else:
+            self.mlp = GatedMLP(d, config.intermediate_size, dtype)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        named = {
+            "input_layernorm.weight": self.input_layernorm.weight,
+            "post_attention_layernorm.weight": self.post_attention_layernorm.weight,
+        }
+        named.update({f"self_attn.{k}": v for k, v in self.self_attn.checkpoint_tensors().items()})
+        ffn = "block_sparse_moe" if self.is_moe else "mlp"
+        named.update({f"{ffn}.{k}": v for k, v in self.mlp.checkpoint_tensors().items()})
+        return named
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        h = h + self.self_attn(rms_norm(h, self.input_layernorm.weight, self.eps), batch, cache)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps))
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """The whole text model. `forward` runs one flattened step; `compute_logits` the LM head on chosen rows."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        d = config.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = NormWeight(d, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor name -> the tensor (or view) it loads into."""
+        named = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight}
+        if not self.config.tie_word_embeddings:
+            named["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            named.update({f"model.layers.{i}.{k}": v for k, v in layer.checkpoint_tensors().items()})
+        return named
+
+    @staticmethod
+    def canonical_name(name: str) -> str:
+        """Map accepted alternative checkpoint names onto the names `checkpoint_tensors` uses."""
+        return _DENSE_ALIAS.sub(r"\1mlp.\2", name)
+
+    def cache_specs(self) -> list[KVCacheSpec | StateCacheSpec]:
+        """One spec per layer: MLA layers keep latent rows per token, KDA layers a state slot per sequence."""
+        cfg, dtype = self.config, str(self.dtype).removeprefix("torch.")
+        specs: list[KVCacheSpec | StateCacheSpec] = []
+        for i, kind in enumerate(cfg.layer_kinds):
+            if kind == "mla":
+                specs.append(KVCacheSpec(layer_id=i, row_width=cfg.mla.cache_row_width, dtype=dtype))
+            else:
+                h, dh, k = cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel_size
+                specs.append(
+                    StateCacheSpec(
+                        layer_id=i, recurrent_shape=(h, dh, dh), recurrent_dtype="float32",
+                        conv_shape=(3 * h * dh, k - 1), conv_dtype=dtype,
+                    )
+                )
+        return specs
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
+        """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, batch, cache)
+        return rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, d] -> fp32 logits [n, vocab]."""
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return F.linear(hidden, head).float()

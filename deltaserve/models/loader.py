@@ -1,0 +1,91 @@
+"""Build a model from a checkpoint directory: config, model class, safetensors weights streamed shard by shard."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from deltaserve.config import ModelConfig
+from deltaserve.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor is missing, unexpected, duplicated or mis-shaped; the message names it."""
+
+
+def checkpoint_shards(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards listed by the index, or the single file."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightLoadError(f"{index} has no weight_map object")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise WeightLoadError(f"shard {shard} listed in {index} does not exist")
+        return [path / s for s in shards]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    if found:
+        return [path / f for f in found]
+    raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {path}")
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one shard at a time, logging progress per shard."""
+    shards = checkpoint_shards(path)
+    start = time.perf_counter()
+    for n, shard in enumerate(shards, 1):
+        size_mb = shard.stat().st_size / 2**20
+        logger.info("loading shard %d/%d %s (%.1f MiB)", n, len(shards), shard.name, size_mb)
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    logger.info("loaded %d shard(s) in %.1f s", len(shards), time.perf_counter() - start)
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Copy every checkpoint tensor into the model; each target must be filled exactly once."""
+    targets: dict[str, torch.Tensor] = model.checkpoint_tensors()
+    seen: set[str] = set()
+    for raw_name, tensor in iter_checkpoint(path):
+        name = model.canonical_name(raw_name)
+        target = targets.get(name)
+        if target is None:
+            raise WeightLoadError(f"unexpected tensor {raw_name!r} in checkpoint {path}")
+        if name in seen:
+            raise WeightLoadError(f"tensor {raw_name!r} appears twice in checkpoint {path} (also as an alias)")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightLoadError(
+                f"tensor {raw_name!r} has shape {list(tensor.shape)}, expected {list(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise WeightLoadError(f"checkpoint {path} is missing tensor(s) {missing[:10]}{more}")
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """Config -> model class -> weights, in `dtype` (gate/router/decay parameters stay fp32)."""
+    path = Path(path)
+    config = ModelConfig.from_pretrained(path)
+    with torch.device(device):
+        model = model_class(config)(config, dtype=dtype)
+    load_weights(model, path)
+    return model.eval()

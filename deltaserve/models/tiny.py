@@ -1,0 +1,184 @@
+"""Tiny random Kimi Linear checkpoints for CPU tests (`deltaserve make-tiny`), loadable by deltaserve and transformers.
+
+Weights are drawn large (model-spec §13.2) so that logits are far from uniform and routing far from tied: a mistake
+anywhere moves the argmax.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from deltaserve.config import ModelConfig
+from deltaserve.models.kimi_linear import KimiLinearForCausalLM
+from deltaserve.text.tiny_tokenizer import write_tiny_tokenizer
+from deltaserve.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TinySpec:
+    """Sizes of a tiny checkpoint (defaults: model-spec §13.1)."""
+
+    layers: int = 8
+    """Decoder layers; every 4th (1-based) and the last are MLA, the rest KDA."""
+    hidden: int = 256
+    vocab: int = 1024
+    intermediate: int = 512
+    moe_intermediate: int = 128
+    experts: int = 8
+    top_k: int = 2
+    shared_experts: int = 1
+    num_expert_group: int = 2
+    topk_group: int = 1
+    kda_heads: int = 4
+    kda_head_dim: int = 32
+    mla_heads: int = 4
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    first_k_dense: int = 1
+    routed_scaling_factor: float = 2.446
+    seed: int = 0
+    dense_name: str = "mlp"
+    """Name of the dense FFN tensors: "mlp" (real checkpoints) or "block_sparse_moe" (transformers' save)."""
+    shard_bytes: int = 0
+    """Split the weights into shards of about this size with an index file; 0 writes one file."""
+
+
+def tiny_config_dict(spec: TinySpec, special_ids: dict[str, int]) -> dict[str, Any]:
+    """A config.json in Moonshot field names."""
+    mla = sorted({n for n in range(4, spec.layers + 1, 4)} | {spec.layers})
+    kda = [n for n in range(1, spec.layers + 1) if n not in mla]
+    return {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "moe_intermediate_size": spec.moe_intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.mla_heads,
+        "num_key_value_heads": spec.mla_heads,
+        "q_lora_rank": spec.q_lora_rank,
+        "kv_lora_rank": spec.kv_lora_rank,
+        "qk_nope_head_dim": spec.qk_nope_head_dim,
+        "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "v_head_dim": spec.v_head_dim,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "num_heads": spec.kda_heads,
+            "head_dim": spec.kda_head_dim,
+            "short_conv_kernel_size": 4,
+            "kda_layers": kda,
+            "full_attn_layers": mla,
+        },
+        "num_experts": spec.experts,
+        "num_experts_per_token": spec.top_k,
+        "num_shared_experts": spec.shared_experts,
+        "moe_router_activation_func": "sigmoid",
+        "use_grouped_topk": True,
+        "num_expert_group": spec.num_expert_group,
+        "topk_group": spec.topk_group,
+        "moe_renormalize": True,
+        "routed_scaling_factor": spec.routed_scaling_factor,
+        "first_k_dense_replace": spec.first_k_dense,
+        "moe_layer_freq": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "model_max_length": 4096,
+        "bos_token_id": special_ids["bos_token_id"],
+        "eos_token_id": special_ids["eos_token_id"],
+        "pad_token_id": special_ids["pad_token_id"],
+        "torch_dtype": "float32",
+    }
+
+
+def random_weights(model: KimiLinearForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors drawn per model-spec §13.2 (large matrices, perturbed norms, spread gates)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, target in model.checkpoint_tensors().items():
+        shape = tuple(target.shape)
+        if name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith(("dt_bias",)):
+            t = torch.randn(shape, generator=gen)
+        elif name.endswith("e_score_correction_bias"):
+            t = 0.2 * torch.randn(shape, generator=gen)
+        elif len(shape) == 1:  # every norm weight
+            t = 1.0 + 0.3 * torch.randn(shape, generator=gen)
+        elif name.endswith("conv1d.weight"):
+            t = torch.randn(shape, generator=gen) * 1.5 / math.sqrt(shape[-1])
+        elif name in ("model.embed_tokens.weight",):
+            t = torch.randn(shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) * 1.5 / math.sqrt(shape[-1])
+        out[name] = t.contiguous()
+    return out
+
+
+def write_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Write config.json, generation_config.json, safetensors weights and a small BPE tokenizer to `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.dense_name not in ("mlp", "block_sparse_moe"):
+        raise ValueError(f"dense_name={spec.dense_name!r} must be 'mlp' or 'block_sparse_moe'")
+    special_ids = write_tiny_tokenizer(out, spec.vocab)
+    raw = tiny_config_dict(spec, special_ids)
+    config = ModelConfig.from_dict(raw)
+    with torch.device("meta"):
+        skeleton = KimiLinearForCausalLM(config, dtype=torch.float32)
+    weights = random_weights(skeleton, spec.seed)
+    if spec.dense_name == "block_sparse_moe":
+        weights = {_to_block_sparse_name(k, config): v for k, v in weights.items()}
+    _save(weights, out, spec.shard_bytes)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    generation = {
+        "bos_token_id": special_ids["bos_token_id"],
+        # Stop on <|im_end|> (the config eos) and [EOS], as Kimi does (model-spec §11.1).
+        "eos_token_id": [special_ids["eos_token_id"], Tokenizer.from_pretrained(out).special_tokens["[EOS]"]],
+        "pad_token_id": special_ids["pad_token_id"],
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (out / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    return out
+
+
+def _to_block_sparse_name(name: str, config: ModelConfig) -> str:
+    for i in range(config.first_k_dense_replace):
+        prefix = f"model.layers.{i}.mlp."
+        if name.startswith(prefix):
+            return f"model.layers.{i}.block_sparse_moe." + name[len(prefix) :]
+    return name
+
+
+def _save(weights: dict[str, torch.Tensor], out: Path, shard_bytes: int) -> None:
+    if shard_bytes <= 0:
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,290 @@
+"""Pure-PyTorch KDA (Kimi Delta Attention, model-spec §3.3-§3.8): decay gate, chunked varlen prefill over a state
+pool (with prefix-cache checkpoints) and single-token recurrent decode. This is the specification and the test oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Element budget of the largest intra-chunk temporary per group of chunks: bounds prefill memory on long prompts.
+_GROUP_ELEMS = 1 << 23
+
+
+def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None = None) -> Tensor:
+    """Per-channel log-decay ``g`` (spec §3.3).
+
+    Args:
+        f: ``[T, H, K]`` raw gate input ``x Wfa^T Wfb^T`` (without ``dt_bias``).
+        A_log: any shape holding at least ``H`` values (Kimi Linear ``[1, 1, H, 1]``, K3 ``[128]`` zero-padded);
+            flattened, the first ``H`` are used.
+        dt_bias: ``[H * K]``.
+        lower_bound: ``None`` for Kimi Linear, ``g = -exp(A_log) * softplus(f + dt_bias)`` (softplus(z) = z for
+            z > 20, as transformers); a negative float ``lb`` for K3, ``g = lb * sigmoid(exp(A_log) * (f + dt_bias))``.
+
+    Returns:
+        ``[T, H, K]`` log-decay, ``<= 0``, in fp32 (fp64 if ``f`` is fp64).
+    """
+    _, H, K = f.shape
+    cdt = torch.promote_types(f.dtype, torch.float32)
+    a = A_log.reshape(-1)[:H].to(cdt).exp().view(1, H, 1)
+    z = f.to(cdt) + dt_bias.to(cdt).view(1, H, K)
+    if lower_bound is None:
+        return -a * F.softplus(z, beta=1.0, threshold=20.0)
+    return lower_bound * torch.sigmoid(a * z)
+
+
+def _compute_dtype(*ts: Tensor) -> torch.dtype:
+    """fp32, or fp64 when an input is fp64 (fp64 reference runs)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _qk_norm(q: Tensor, k: Tensor, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """L2-normalise q and k over the head dim (eps inside the sqrt, spec §3.2) and scale q by ``K**-0.5``."""
+    q, k = q.to(cdt), k.to(cdt)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return q, k
+
+
+def kda_decode(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, state_indices: Tensor
+) -> Tensor:
+    """One KDA token per row in the recurrent form (spec §3.5): decay, delta rule, read after the update.
+
+    Args:
+        q, k: ``[N, H, K]`` raw queries/keys (L2-normalised here), any float dtype.
+        v: ``[N, H, V]``.
+        g: ``[N, H, K]`` log-decay from ``kda_gate``.
+        beta: ``[N, H]``, already sigmoid-ed.
+        state_pool: ``[S, H, K, V]`` fp32 state pool, per slot ``[H, K (key rows), V (value cols)]`` as transformers.
+            Row ``i`` reads and **updates in place** ``state_pool[state_indices[i]]``; indices must be distinct.
+        state_indices: ``[N]`` int64 slots.
+
+    Returns:
+        ``[N, H, V]`` output in ``q``'s dtype. Math in fp32 (fp64 if ``q`` or the pool is fp64).
+    """
+    cdt = _compute_dtype(q, state_pool)
+    qn, kn = _qk_norm(q, k, cdt)
+    S = state_pool[state_indices].to(cdt) * g.to(cdt).exp().unsqueeze(-1)  # [N, H, K, V]
+    delta = beta.to(cdt).unsqueeze(-1) * (v.to(cdt) - (kn.unsqueeze(-2) @ S).squeeze(-2))  # [N, H, V]
+    S = S + kn.unsqueeze(-1) * delta.unsqueeze(-2)
+    state_pool[state_indices] = S.to(state_pool.dtype)
+    return (qn.unsqueeze(-2) @ S).squeeze(-2).to(q.dtype)
+
+
+class _Layout(NamedTuple):
+    """Chunks of all sequences in step-major order: step ``t`` holds chunk ``t`` of every sequence that has one, in
+    rank order (sequences sorted by chunk count, descending), so the live states at step ``t`` are a prefix."""
+
+    order: Tensor  # [N] sequence of each rank
+    rank: Tensor  # [N] rank of each sequence
+    offs: list[int]  # [steps + 1] first chunk id of each step
+    cid: Tensor  # [T] chunk id of each token
+    pos: Tensor  # [T] position of each token in its chunk
+
+
+def _layout(cu_seqlens: Tensor, C: int, device: torch.device) -> _Layout:
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    N = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    nch = (lens + C - 1) // C
+    order = torch.argsort(nch, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(N, device=device)
+    steps = int(nch.max()) if N else 0
+    live = (nch.unsqueeze(0) > torch.arange(steps, device=device).unsqueeze(1)).sum(1)  # [steps] sequences per step
+    offs = torch.cat((live.new_zeros(1), live.cumsum(0)))
+    seq = torch.repeat_interleave(torch.arange(N, device=device), lens)
+    p = torch.arange(seq.numel(), device=device) - cu[seq]
+    return _Layout(order, rank, offs.tolist(), offs[p // C] + rank[seq], p % C)
+
+
+def _to_chunks(x: Tensor, lay: _Layout, C: int) -> Tensor:
+    """``[T, H, *D]`` packed tokens -> ``[chunks, H, C, *D]``, zero-padded (zero k/beta/g leave the state unchanged)."""
+    out = x.new_zeros(lay.offs[-1], x.shape[1], C, *x.shape[2:])
+    out[lay.cid, :, lay.pos] = x
+    return out
+
+
+def _decayed_scores(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
+    """``M[x, r, i] = sum_c x_r[c] k_i[c] exp(G_r[c] - G_i[c])`` for ``i <= r`` (0 above), rows ``x = q`` then ``k``.
+
+    Args: q, k, G: ``[B, H, C, K]`` (G is the in-chunk cumulative log-decay). Returns ``[2, B, H, C, C]``.
+    """
+    B, H, C, K = k.shape
+    X = torch.stack((q, k))  # [2, B, H, C, K]
+    M = X.new_zeros(2, B, H, C, C)
+    # Off-diagonal halves, recursively: in a block [s, s + 2h), rows r of the right half meet columns i of the left
+    # half through the reference p = s + h - 1: exp(G_r - G_i) = exp(G_r - G_p) * exp(G_p - G_i), both exponents
+    # <= 0 since i <= p < r and g <= 0, so a matmul replaces the [C, C, K] tensor without any overflow (and if a
+    # factor underflows, the exact product is below it). Diagonal blocks of the odd part of C remain (1 if C = 2^m).
+    lf = C // (C & -C)
+    h = C // 2
+    while h >= lf:
+        nb = C // (2 * h)
+        Gv = G.unflatten(2, (nb, 2, h))  # [B, H, nb, 2, h, K]
+        Gp = Gv[:, :, :, 0, h - 1 :]  # [B, H, nb, 1, K]
+        rows = X.unflatten(3, (nb, 2, h))[:, :, :, :, 1] * (Gv[:, :, :, 1] - Gp).exp()  # [2, B, H, nb, h, K]
+        colsT = (k.unflatten(2, (nb, 2, h))[:, :, :, 0] * (Gp - Gv[:, :, :, 0]).exp()).transpose(-1, -2)
+        blocks = M.unflatten(3, (nb, 2, h)).unflatten(-1, (nb, 2, h)).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
+        blocks.copy_((rows @ colsT).permute(0, 1, 2, 4, 5, 3))
+        h //= 2
+    # Diagonal leaf blocks: the exact masked form (mask before exp: G_r - G_i > 0 above the diagonal); for a
+    # power-of-two C it is just x_r . k_r.
+    n = C // lf
+    idx = torch.arange(lf, device=k.device)
+    tri = (idx[:, None] >= idx[None, :]).unsqueeze(-1)  # [r, i, 1]
+    Gd = G.unflatten(2, (n, lf))
+    kE = (
+        k.unflatten(2, (n, lf)).unsqueeze(-3)
+        * (Gd.unsqueeze(-2) - Gd.unsqueeze(-3)).masked_fill(~tri, -torch.inf).exp()
+    )
+    D = torch.einsum("xbhnrc,bhnric->xbhnri", X.unflatten(3, (n, lf)), kE)
+    M.unflatten(3, (n, lf)).unflatten(-1, (n, lf)).diagonal(dim1=3, dim2=5).copy_(D.permute(0, 1, 2, 4, 5, 3))
+    return M
+
+
+class _Intra(NamedTuple):
+    """State-independent chunk quantities (spec §3.7), each ``[B, H, C, *]``."""
+
+    A: Tensor  # [B, H, C, C] decayed q.k, i <= r
+    U: Tensor  # [B, H, C, V] M (beta V)
+    W: Tensor  # [B, H, C, K] M (beta K exp(G))
+    Qg: Tensor  # [B, H, C, K] q exp(G)
+    Kd: Tensor  # [B, H, C, K] k exp(G_C - G)
+    decay: Tensor  # [B, H, K] exp(G_C)
+
+
+def _intra(q: Tensor, k: Tensor, v: Tensor, G: Tensor, beta: Tensor) -> _Intra:
+    A, Mk = _decayed_scores(q, k, G).unbind(0)
+    # (I + L) with L = beta_r * Mk strictly below the diagonal: solve_triangular ignores the diagonal and upper part.
+    rhs = torch.cat((v, k * G.exp()), -1) * beta.unsqueeze(-1)
+    UW = torch.linalg.solve_triangular(beta.unsqueeze(-1) * Mk, rhs, upper=False, unitriangular=True)
+    U, W = UW.split((v.shape[-1], k.shape[-1]), -1)
+    G_C = G[:, :, -1:]
+    return _Intra(A, U, W, q * G.exp(), k * (G_C - G).exp(), G_C.squeeze(2).exp())
+
+
+def _plan_checkpoints(
+    positions: Sequence[Sequence[int]], cu_seqlens: Tensor, lay: _Layout, C: int
+) -> tuple[Tensor, Tensor, list[int]]:
+    """Chunk id and in-chunk length ``j`` (1..C) of every requested checkpoint, flattened in sequence order."""
+    device = lay.cid.device
+    counts = [len(p) for p in positions]
+    if len(counts) != lay.rank.numel():
+        raise ValueError("checkpoint_positions needs one list per sequence")
+    p = torch.tensor([x for ps in positions for x in ps], dtype=torch.int64, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    ordered = (p[1:] >= p[:-1]) | (seq[1:] != seq[:-1])
+    if bool((p < 1).any() | (p > cu[seq + 1] - cu[seq]).any() | ~ordered.all()):
+        raise ValueError("checkpoint positions must be sorted and within 1..len of their sequence")
+    t = (p - 1) // C
+    offs = torch.tensor(lay.offs, device=device)
+    return offs[t] + lay.rank[seq], p - t * C, counts
+
+
+def _units(offs: list[int], group: int) -> list[tuple[int, int, int]]:
+    """(step, first chunk, end chunk) pieces of each step, cut at group boundaries so one group's intra is live."""
+    out = []
+    for t in range(len(offs) - 1):
+        lo = offs[t]
+        while lo < offs[t + 1]:
+            hi = min(offs[t + 1], (lo // group + 1) * group)
+            out.append((t, lo, hi))
+            lo = hi
+    return out
+
+
+def kda_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    cu_seqlens: Tensor,
+    checkpoint_positions: Sequence[Sequence[int]] | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, list[Tensor]]:
+    """Chunked KDA (spec §3.7) over a packed varlen batch, all sequences advancing together chunk by chunk.
+
+    Args:
+        q, k: ``[T, H, K]`` raw queries/keys (L2-normalised and q scaled by ``K**-0.5`` here), any float dtype.
+        v: ``[T, H, V]``.
+        g: ``[T, H, K]`` log-decay from ``kda_gate`` (must be ``<= 0``).
+        beta: ``[T, H]``, already sigmoid-ed.
+        state_pool: ``[S, H, K, V]`` fp32 state pool, per slot ``[H, K (key rows), V (value cols)]`` as transformers.
+            Sequence ``i`` starts from ``state_pool[state_indices[i]]`` (the caller zeroes fresh slots) and its final
+            state is written back there **in place**; other slots are untouched. Indices must be distinct.
+        state_indices: ``[N]`` int64 slots.
+        cu_seqlens: ``[N + 1]`` int64; sequence ``i`` is rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` (length 0 allowed).
+        checkpoint_positions: per sequence a sorted list of positions ``1 <= p <= len_i``; the state after the first
+            ``p`` tokens of that sequence in this call is returned (exact, at any position, not only chunk ends).
+        chunk_size: chunk length ``C``.
+
+    Returns:
+        ``(o, checkpoints)``: ``o`` ``[T, H, V]`` in ``q``'s dtype; ``checkpoints`` a list of ``N`` tensors
+        ``[len(positions_i), H, K, V]`` in the pool's dtype (``[0, H, K, V]`` when none requested).
+        Math in fp32 (fp64 if ``q`` or the pool is fp64).
+    """
+    cdt = _compute_dtype(q, state_pool)
+    C, (H, K), V = chunk_size, k.shape[1:], v.shape[-1]
+    lay = _layout(cu_seqlens, C, q.device)
+    N, NC = lay.rank.numel(), lay.offs[-1]
+    qn, kn = _qk_norm(q, k, cdt)
+    qc, kc, vc, gc, bc = (_to_chunks(x.to(cdt), lay, C) for x in (qn, kn, v, g, beta))
+    G = gc.cumsum(2)
+    slots = state_indices.to(device=q.device, dtype=torch.int64)[lay.order]
+    S = state_pool[slots].to(cdt)  # [N, H, K, V] in rank order
+    O = qc.new_empty(NC, H, C, V)  # every chunk is written by exactly one unit
+    plan = _plan_checkpoints(checkpoint_positions, cu_seqlens, lay, C) if checkpoint_positions else None
+    cps = qc.new_zeros(sum(plan[2]) if plan else 0, H, K, V)
+    group = max(1, _GROUP_ELEMS // (2 * H * C * max(C, K)))  # chunks per intra group
+    cur, it = -1, None
+    for t, lo, hi in _units(lay.offs, group):
+        if lo // group != cur:
+            cur, g0 = lo // group, lo // group * group
+            sl = slice(g0, min(NC, g0 + group))
+            it = _intra(qc[sl], kc[sl], vc[sl], G[sl], bc[sl])
+        r, s = slice(lo - g0, hi - g0), slice(lo - lay.offs[t], hi - lay.offs[t])  # intra rows, state rows
+        S_in = S[s]
+        Vp = it.U[r] - it.W[r] @ S_in  # pseudo-values
+        O[lo:hi] = it.Qg[r] @ S_in + it.A[r] @ Vp
+        if plan is not None:
+            _checkpoints_in(cps, plan, lo, hi, G, kc, Vp, S_in)
+        S[s] = it.decay[r].unsqueeze(-1) * S_in + it.Kd[r].transpose(-1, -2) @ Vp
+    state_pool[slots] = S.to(state_pool.dtype)
+    cps = cps.to(state_pool.dtype)
+    ckpts = list(cps.split(plan[2])) if plan else [cps.new_zeros(0, H, K, V) for _ in range(N)]
+    return O[lay.cid, :, lay.pos].to(q.dtype), ckpts
+
+
+def _checkpoints_in(
+    out: Tensor,
+    plan: tuple[Tensor, Tensor, list[int]],
+    lo: int,
+    hi: int,
+    G: Tensor,
+    kc: Tensor,
+    Vp: Tensor,
+    S_in: Tensor,
+) -> None:
+    """Write into ``out`` the checkpoints inside chunks ``lo:hi``, whose entering states are ``S_in`` and
+    pseudo-values ``Vp``: ``S_j = Diag(exp(G_j)) S_in + (K[:j] * exp(G_j - G[:j]))^T V'[:j]`` (spec §3.7, exact)."""
+    cid, j, _ = plan
+    sel = ((cid >= lo) & (cid < hi)).nonzero().squeeze(1)
+    if sel.numel() == 0:
+        return
+    c, jj, rr = cid[sel], j[sel], cid[sel] - lo
+    Gc = G[c]  # [P, H, C, K]
+    Gj = Gc[torch.arange(sel.numel(), device=G.device), :, jj - 1]  # [P, H, K]
+    keep = (torch.arange(G.shape[2], device=G.device) < jj.unsqueeze(1))[:, None, :, None]  # [P, 1, C, 1]
+    kd = kc[c] * (Gj.unsqueeze(2) - Gc).masked_fill(~keep, -torch.inf).exp()
+    out[sel] = Gj.exp().unsqueeze(-1) * S_in[rr] + kd.transpose(-1, -2) @ Vp[rr]

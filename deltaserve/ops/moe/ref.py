@@ -1,0 +1,107 @@
+"""Reference MoE routing (noaux_tc group top-k, model-spec §5) and grouped SiLU-GLU experts.
+
+Pure PyTorch; the specification and test oracle for any fast backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from deltaserve.ops.activation import silu_and_mul
+
+
+def moe_route(
+    router_logits: Tensor,
+    correction_bias: Tensor | None,
+    *,
+    top_k: int,
+    num_expert_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    scoring_func: str = "sigmoid",
+) -> tuple[Tensor, Tensor]:
+    """Choose ``top_k`` experts per token and their combine weights.
+
+    Args:
+        router_logits: ``[T, E]`` fp32 (``x32 @ W32^T``, computed by the caller; cast to fp32 if not already).
+        correction_bias: ``[E]`` added to the scores for SELECTION only (``e_score_correction_bias``), or ``None``.
+        top_k: experts per token.
+        num_expert_group: groups the E experts are split into (contiguous, ``E % num_expert_group == 0``).
+        topk_group: groups kept per token; the group step runs only if ``1 < num_expert_group`` and
+            ``topk_group < num_expert_group``. A group's score is the sum of its top-2 biased scores.
+        renormalize: divide the chosen weights by ``sum + 1e-20``.
+        routed_scaling_factor: multiplies the final weights (2.446 for Kimi Linear).
+        scoring_func: ``"sigmoid"`` (both real models) or ``"softmax"`` (over E).
+
+    Returns:
+        ``(topk_weights [T, top_k] fp32, topk_ids [T, top_k] int64)``; weights are the UNbiased scores of the
+        chosen experts. Ids are sorted by biased score, descending (order does not affect the output).
+
+    Raises:
+        ValueError: unknown ``scoring_func``, or ``E`` not divisible by ``num_expert_group``.
+    """
+    logits = router_logits.to(torch.float32)
+    if scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring_func!r}")
+    choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)  # [T, E]
+
+    if num_expert_group > 1 and topk_group < num_expert_group:
+        num_tokens, num_experts = choice.shape
+        if num_experts % num_expert_group:
+            raise ValueError(f"num_expert_group={num_expert_group} must divide the {num_experts} experts")
+        group_size = num_experts // num_expert_group
+        grouped = choice.view(num_tokens, num_expert_group, group_size)
+        group_scores = grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1)  # [T, G]
+        kept = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
+        group_keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = grouped.masked_fill(~group_keep[..., None], float("-inf")).view(num_tokens, num_experts)
+
+    topk_ids = choice.topk(top_k, dim=-1).indices  # [T, k]
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids.to(torch.int64)
+
+
+def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """Weighted sum of the chosen SiLU-GLU experts, one GEMM pair per expert that received tokens.
+
+    ``y[t] = sum_j w[t, j] * (SiLU(x W1^T) * (x W3^T)) W2^T`` for expert ``e = topk_ids[t, j]``. Each expert's output
+    (in ``x.dtype``) is multiplied by its fp32 weight, cast to ``x.dtype`` and accumulated with ``index_add_`` into
+    zeros of ``x.dtype``, as transformers does.
+
+    Args:
+        x: ``[T, d]`` tokens.
+        w13: ``[E, 2I, d]``; per expert ``I`` rows of w1 (gate) then ``I`` rows of w3 (up).
+        w2: ``[E, d, I]`` down projections.
+        topk_weights: ``[T, k]`` combine weights (fp32).
+        topk_ids: ``[T, k]`` int expert ids in ``[0, E)``.
+
+    Returns:
+        ``[T, d]`` in ``x.dtype``.
+    """
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1).to(torch.long)  # [T*k], token-major
+    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+    token_of_pair = order // top_k
+    weight_of_pair = topk_weights.reshape(-1)[order]
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: acceptable in the reference
+
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of_pair[start : start + count]
+        hidden = silu_and_mul(F.linear(x[rows], w13[expert]))  # [n, I]
+        y = F.linear(hidden, w2[expert]) * weight_of_pair[start : start + count, None]  # [n, d], promoted
+        out.index_add_(0, rows, y.to(x.dtype))
+        start += count
+    return out

@@ -1,0 +1,119 @@
+"""Reference depthwise causal short convolution with a conv-state pool (model-spec §3.1).
+
+Pure PyTorch; the specification and test oracle for any fast backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _activate(out: Tensor, activation: str | None) -> Tensor:
+    if activation is None:
+        return out
+    if activation in ("silu", "swish"):
+        return F.silu(out)
+    raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+
+
+def _weighted_sum(taps: Tensor, weight: Tensor) -> Tensor:
+    """``taps [..., C, W]`` (already in ``weight.dtype``) times ``weight [C, W]`` summed over W.
+
+    Products are accumulated in at least fp32 (as conv kernels do) and rounded once to ``weight.dtype``.
+    """
+    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+    return (taps.to(acc_dtype) * weight.to(acc_dtype)).sum(-1).to(weight.dtype)
+
+
+def short_conv_prefill(
+    x: Tensor,
+    weight: Tensor,
+    conv_state_pool: Tensor,
+    state_indices: Tensor,
+    cu_seqlens: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
+    """Depthwise causal conv over a packed varlen batch, reading and updating a conv-state pool.
+
+    ``out[t, c] = sum_j weight[c, j] * u[t - (W-1) + j, c]`` where ``u`` is sequence i's window followed by its tokens
+    (tap ``W-1`` is the current token).
+
+    Args:
+        x: ``[T, C]`` pre-conv inputs; rows ``cu_seqlens[i]:cu_seqlens[i+1]`` belong to sequence i.
+        weight: ``[C, W]`` depthwise kernel (``W`` = kernel width, no bias).
+        conv_state_pool: ``[S, C, W-1]``; per slot the last ``W-1`` pre-conv inputs, oldest first (channels first,
+            time last). A fresh sequence starts from a slot the caller has zeroed. **Updated in place**: the slot of
+            sequence i receives the window after its last token (for a sequence shorter than ``W-1`` the older
+            entries shift left, exactly as a token-by-token update). Stored in the pool's dtype.
+        state_indices: ``[N]`` int slot per sequence; must be distinct. Other slots are not touched.
+        cu_seqlens: ``[N+1]`` int cumulative sequence lengths, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``.
+            Zero-length sequences are allowed (their window is unchanged).
+        activation: ``"silu"`` (default, the only one the model uses), ``"swish"`` (alias) or ``None``.
+
+    Returns:
+        ``[T, C]`` in ``x.dtype``. The conv is computed in ``weight.dtype`` (inputs are cast to it, as transformers
+        does; products accumulate in at least fp32), the activation runs in ``weight.dtype``.
+    """
+    num_tokens = x.shape[0]
+    width = weight.shape[-1]
+    state_len = width - 1
+    num_seqs = state_indices.shape[0]
+    device = x.device
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    slots = state_indices.to(device=device, dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]  # [N]
+
+    windows = conv_state_pool[slots]  # [N, C, W-1]
+    window_rows = windows.transpose(1, 2).reshape(num_seqs * state_len, weight.shape[0])  # [N*(W-1), C]
+    # buf rows: the N windows of W-1 rows each (oldest first), then the T packed tokens; kept in the pool dtype
+    # for the state write-back, while the conv reads the same rows cast to weight.dtype.
+    buf = torch.cat([window_rows, x.to(conv_state_pool.dtype)])
+
+    def ext_to_row(seq: Tensor, m: Tensor) -> Tensor:
+        """Row of ``buf`` holding position ``m`` of sequence ``seq``'s extended stream [window; tokens]."""
+        return torch.where(m < state_len, seq * state_len + m, num_seqs * state_len + cu[seq] + m - state_len)
+
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths, output_size=num_tokens)
+    pos_in_seq = torch.arange(num_tokens, device=device) - cu[seq_of_token]  # [T]
+    taps = torch.arange(width, device=device)
+    tap_rows = ext_to_row(seq_of_token[:, None], pos_in_seq[:, None] + taps)  # [T, W]
+
+    conv_in = torch.cat([window_rows.to(weight.dtype), x.to(weight.dtype)])  # [N*(W-1) + T, C]
+    out = _weighted_sum(conv_in[tap_rows].transpose(1, 2), weight)  # [T, C]
+    out = _activate(out, activation)
+
+    # New window of sequence i: extended positions L_i .. L_i + W-2.
+    win_pos = lengths[:, None] + torch.arange(state_len, device=device)  # [N, W-1]
+    new_windows = buf[ext_to_row(torch.arange(num_seqs, device=device)[:, None], win_pos)]  # [N, W-1, C]
+    conv_state_pool[slots] = new_windows.transpose(1, 2)
+    return out.to(x.dtype)
+
+
+def short_conv_decode(
+    x: Tensor,
+    weight: Tensor,
+    conv_state_pool: Tensor,
+    state_indices: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
+    """One-token-per-sequence causal conv step against a conv-state pool.
+
+    Args:
+        x: ``[N, C]``; row i is the next pre-conv input of the sequence in slot ``state_indices[i]``.
+        weight: ``[C, W]`` depthwise kernel.
+        conv_state_pool: ``[S, C, W-1]`` window per slot, oldest first. **Updated in place**: the slot of row i
+            drops its oldest entry and appends ``x[i]`` (in the pool's dtype).
+        state_indices: ``[N]`` int, distinct slots. Other slots are not touched.
+        activation: ``"silu"`` (default), ``"swish"`` or ``None``.
+
+    Returns:
+        ``[N, C]`` in ``x.dtype``; same numerics as :func:`short_conv_prefill`.
+    """
+    slots = state_indices.to(device=x.device, dtype=torch.long)
+    windows = conv_state_pool[slots]  # [N, C, W-1]
+    taps = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [N, C, W]
+    out = _activate(_weighted_sum(taps, weight), activation)
+    conv_state_pool[slots] = torch.cat([windows, x.to(conv_state_pool.dtype)[:, :, None]], dim=-1)[:, :, 1:]
+    return out.to(x.dtype)

@@ -1,0 +1,57 @@
+"""Build argparse options from a frozen dataclass; help text comes from the fields' attribute docstrings."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from typing import Any
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (a string literal right after a field) of a dataclass, by field name."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, aliases: dict[str, str] | None = None) -> None:
+    """One `--field-name` option per field of `cls` (bools become --flag / --no-flag), defaults from the class."""
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + (aliases or {}).get(f.name, f.name.replace("_", "-"))
+        kind = _base_type(hints[f.name])
+        default = f.default
+        help_text = f"{docs.get(f.name, '')} (default: {default})"
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=_parser_for(kind), default=default, help=help_text)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _base_type(hint: Any) -> type:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _parser_for(kind: type):
+    if kind is int:
+        def parse_int(text: str) -> int | None:
+            return None if text.lower() in ("none", "null") else int(text)
+        return parse_int
+    return kind

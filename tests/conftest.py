@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random checkpoints written once per session; the `gpu` marker skips without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
+
+# Variants that exercise the paths the parity tests must cover (see model-spec §13.1).
+TINY_VARIANTS: dict[str, TinySpec] = {
+    "base": TinySpec(),
+    "qlora-2shared-bsmoe": TinySpec(q_lora_rank=48, shared_experts=2, dense_name="block_sparse_moe", seed=1),
+    "odd-sizes": TinySpec(
+        layers=5, hidden=72, kda_heads=3, kda_head_dim=24, mla_heads=3, qk_nope_head_dim=20, qk_rope_head_dim=12,
+        v_head_dim=28, kv_lora_rank=40, experts=7, top_k=3, num_expert_group=1, topk_group=1, intermediate=136,
+        moe_intermediate=40, first_k_dense=2, vocab=700, seed=2, shard_bytes=400_000,
+    ),
+    "no-dense-4groups": TinySpec(
+        layers=4, first_k_dense=0, experts=12, top_k=3, num_expert_group=4, topk_group=2, seed=3,
+    ),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> callable:
+    """tiny_dir(name) -> path of the tiny checkpoint variant `name`, written on first use."""
+    made: dict[str, Path] = {}
+
+    def get(name: str = "base") -> Path:
+        if name not in made:
+            made[name] = write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{name}"), TINY_VARIANTS[name])
+        return made[name]
+
+    return get

@@ -1,0 +1,87 @@
+"""ModelConfig.from_pretrained: Moonshot field names, 1-based layer lists, errors that name the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from deltaserve.config import ConfigError, ModelConfig
+from deltaserve.models.tiny import TinySpec, tiny_config_dict
+
+IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def raw(**changes):
+    cfg = copy.deepcopy(tiny_config_dict(TinySpec(), IDS))
+    cfg.update(changes)
+    return cfg
+
+
+def test_layer_lists_are_one_based(tmp_path):
+    """Layer i (0-based) is MLA iff i + 1 is in full_attn_layers; dense iff i < first_k_dense_replace."""
+    (tmp_path / "config.json").write_text(json.dumps(raw()))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.mla_layer_ids == (3, 7)
+    assert cfg.kda_layer_ids == (0, 1, 2, 4, 5, 6)
+    assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1)
+    assert cfg.eos_token_ids == (2,)
+
+
+def test_transformers_aliases_accepted():
+    """transformers' names (num_local_experts, n_group, norm_topk_prob, ...) are read as their Moonshot fields."""
+    r = raw()
+    for moon, hf in [("num_experts", "num_local_experts"), ("num_expert_group", "n_group"),
+                     ("moe_renormalize", "norm_topk_prob"), ("num_experts_per_token", "num_experts_per_tok")]:
+        r[hf] = r.pop(moon)
+    cfg = ModelConfig.from_dict(r)
+    assert (cfg.moe.num_experts, cfg.moe.num_expert_group, cfg.moe.top_k) == (8, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"model_type": "llama"}, "model_type"),
+        ({"architectures": ["LlamaForCausalLM"]}, "KimiLinearForCausalLM"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"moe_router_activation_func": "relu"}, "moe_router_activation_func"),
+        ({"num_expert_group": 3}, "num_expert_group"),
+        ({"num_experts_per_token": 9}, "num_experts_per_token"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"mla_use_nope": False}, "mla_use_nope"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"layer_types": ["full_attention"] * 8}, "layer_types"),
+    ],
+    ids=["model_type", "architecture", "null-field", "router-act", "groups", "top-k", "moe-freq", "nope", "kv-heads",
+         "layer-types"],
+)
+def test_bad_values_name_the_field(changes, needle):
+    """Unsupported or inconsistent values raise ConfigError naming the field."""
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_dict(raw(**changes))
+
+
+@pytest.mark.parametrize(
+    "kda, full, needle",
+    [([1, 2, 3, 5, 6, 7], [4], "cover layers \\[8\\]"), ([1, 2, 3, 4, 5, 6, 7], [4, 8], "listed twice"),
+     ([0, 1, 2, 4, 5, 6], [3, 7], "1-based")],
+    ids=["uncovered", "overlap", "zero-based"],
+)
+def test_layer_list_errors(kda, full, needle):
+    """The two 1-based lists must be disjoint and cover 1..num_hidden_layers."""
+    r = raw()
+    r["linear_attn_config"].update(kda_layers=kda, full_attn_layers=full)
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_dict(r)
+
+
+def test_missing_field_is_named():
+    """A required field that is absent is named in the error."""
+    r = raw()
+    del r["kv_lora_rank"]
+    with pytest.raises(ConfigError, match="kv_lora_rank is missing"):
+        ModelConfig.from_dict(r)
+    del r["linear_attn_config"]["head_dim"]
+    with pytest.raises(ConfigError, match="linear_attn_config.head_dim"):
+        ModelConfig.from_dict(r)
