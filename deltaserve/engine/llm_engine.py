@@ -52,7 +52,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} (one is needed to generate)"
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(room for one generated token is needed)"
             )
 
     def generate_one(self, request_id: str, prompt: str | None, prompt_ids: list[int],

@@ -15,7 +15,7 @@ from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
 from deltaserve.layers.linear import NormWeight
 from deltaserve.layers.mla import MLAttention
-from deltaserve.layers.moe import MoE, GatedMLP
+from deltaserve.layers.moe import GatedMLP, MoE
 from deltaserve.ops.norm import rms_norm
 
 # transformers' save_pretrained writes the dense layer-0 MLP as block_sparse_moe.*; real checkpoints use mlp.*.

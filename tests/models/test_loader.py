@@ -25,7 +25,8 @@ def _copy_with(src, dst, edit):
     "edit, needle",
     [
         (lambda t: t.pop("model.layers.1.self_attn.b_proj.weight"), "missing.*model.layers.1.self_attn.b_proj.weight"),
-        (lambda t: t.__setitem__("model.layers.1.self_attn.bogus.weight", t.pop("model.layers.1.self_attn.b_proj.weight")),
+        (lambda t: t.__setitem__("model.layers.1.self_attn.bogus.weight",
+                                 t.pop("model.layers.1.self_attn.b_proj.weight")),
          "unexpected.*model.layers.1.self_attn.bogus.weight"),
         (lambda t: t.__setitem__("model.layers.3.self_attn.kv_b_proj.weight", torch.zeros(3, 64)),
          "model.layers.3.self_attn.kv_b_proj.weight.*shape \\[3, 64\\]"),

@@ -4,7 +4,8 @@ pool (with prefix-cache checkpoints) and single-token recurrent decode. This is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -189,16 +190,12 @@ def _plan_checkpoints(
     return offs[t] + lay.rank[seq], p - t * C, counts
 
 
-def _units(offs: list[int], group: int) -> list[tuple[int, int, int]]:
-    """(step, first chunk, end chunk) pieces of each step, cut at group boundaries so one group's intra is live."""
-    out = []
-    for t in range(len(offs) - 1):
-        lo = offs[t]
-        while lo < offs[t + 1]:
-            hi = min(offs[t + 1], (lo // group + 1) * group)
-            out.append((t, lo, hi))
-            lo = hi
-    return out
+def _units(offs: list[int], g0: int, g1: int) -> Iterator[tuple[int, int, int]]:
+    """``(step, lo, hi)``: the chunks ``lo:hi`` of each step inside the chunk group ``g0:g1``, in step order."""
+    t = bisect.bisect_right(offs, g0) - 1
+    while t < len(offs) - 1 and offs[t] < g1:
+        yield t, max(offs[t], g0), min(offs[t + 1], g1)
+        t += 1
 
 
 def kda_prefill(
@@ -247,19 +244,19 @@ def kda_prefill(
     plan = _plan_checkpoints(checkpoint_positions, cu_seqlens, lay, C) if checkpoint_positions else None
     cps = qc.new_zeros(sum(plan[2]) if plan else 0, H, K, V)
     group = max(1, _GROUP_ELEMS // (2 * H * C * max(C, K)))  # chunks per intra group
-    cur, it = -1, None
-    for t, lo, hi in _units(lay.offs, group):
-        if lo // group != cur:
-            cur, g0 = lo // group, lo // group * group
-            sl = slice(g0, min(NC, g0 + group))
-            it = _intra(qc[sl], kc[sl], vc[sl], G[sl], bc[sl])
-        r, s = slice(lo - g0, hi - g0), slice(lo - lay.offs[t], hi - lay.offs[t])  # intra rows, state rows
-        S_in = S[s]
-        Vp = it.U[r] - it.W[r] @ S_in  # pseudo-values
-        O[lo:hi] = it.Qg[r] @ S_in + it.A[r] @ Vp
-        if plan is not None:
-            _checkpoints_in(cps, plan, lo, hi, G, kc, Vp, S_in)
-        S[s] = it.decay[r].unsqueeze(-1) * S_in + it.Kd[r].transpose(-1, -2) @ Vp
+    # The intra-chunk part is state-independent: computed for a whole group of chunks at once; the state recurrence
+    # then walks the group's chunks step by step (all live sequences of a step together).
+    for g0 in range(0, NC, group):
+        g1 = min(NC, g0 + group)
+        it = _intra(qc[g0:g1], kc[g0:g1], vc[g0:g1], G[g0:g1], bc[g0:g1])
+        for t, lo, hi in _units(lay.offs, g0, g1):
+            r, s = slice(lo - g0, hi - g0), slice(lo - lay.offs[t], hi - lay.offs[t])  # intra rows, state rows
+            S_in = S[s]
+            Vp = it.U[r] - it.W[r] @ S_in  # pseudo-values
+            O[lo:hi] = it.Qg[r] @ S_in + it.A[r] @ Vp
+            if plan is not None:
+                _checkpoints_in(cps, plan, lo, hi, G, kc, Vp, S_in)
+            S[s] = it.decay[r].unsqueeze(-1) * S_in + it.Kd[r].transpose(-1, -2) @ Vp
     state_pool[slots] = S.to(state_pool.dtype)
     cps = cps.to(state_pool.dtype)
     ckpts = list(cps.split(plan[2])) if plan else [cps.new_zeros(0, H, K, V) for _ in range(N)]

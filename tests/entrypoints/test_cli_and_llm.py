@@ -1,0 +1,109 @@
+"""The command line (`make-tiny`, `generate`) in a real subprocess, and the `LLM` API's input handling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.config import ModelConfig
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deltaserve.entrypoints.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_make_tiny_then_generate(tmp_path):
+    """`make-tiny` with size flags writes a loadable checkpoint; `generate` prints a completion from it."""
+    out = tmp_path / "t"
+    res = run_cli("make-tiny", str(out), "--layers", "4", "--hidden", "64", "--experts", "6", "--top-k", "2",
+                  "--num-expert-group", "1", "--seed", "3")
+    assert res.returncode == 0, res.stderr
+    cfg = ModelConfig.from_pretrained(out)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.moe.num_experts, cfg.moe.top_k) == (4, 64, 6, 2)
+    assert json.loads((out / "tiny_spec.json").read_text())["seed"] == 3
+    res = run_cli("generate", "--model", str(out), "--prompt", "hello world", "--max-tokens", "5", "--ignore-eos")
+    assert res.returncode == 0, res.stderr
+    assert "5 tokens, finish_reason=length" in res.stderr
+
+
+def test_generate_reports_bad_model_dir_cleanly(tmp_path):
+    """A directory without config.json is a one-line error and exit code 2, not a traceback."""
+    res = run_cli("generate", "--model", str(tmp_path), "--prompt", "x")
+    assert res.returncode == 2
+    assert "config.json" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_make_tiny_help_comes_from_field_docs():
+    """CLI help text is generated from the TinySpec attribute docstrings."""
+    res = run_cli("make-tiny", "--help")
+    assert "every 4th (1-based) and the last are MLA" in " ".join(res.stdout.split())
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(model=str(tiny_dir("base")))
+
+
+def test_text_and_token_prompts(llm):
+    """A text prompt and its token ids give the same greedy output; text decodes the ids."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ids = llm.tokenizer.encode("def add(a, b):")
+    a, b = llm.generate(["def add(a, b):", ids], params)
+    assert a.prompt_token_ids == ids and a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].text == llm.tokenizer.decode(a.outputs[0].token_ids, skip_special_tokens=True)
+    assert a.outputs[0].finish_reason == "length" and len(a.outputs[0].token_ids) == 8
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    """The same seed gives the same sampled tokens; sampling differs from greedy somewhere."""
+    p = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+    first = llm.generate([[5, 6, 7]], p)[0].outputs[0].token_ids
+    assert llm.generate([[5, 6, 7]], p)[0].outputs[0].token_ids == first
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert greedy[0].outputs[0].token_ids != first
+
+
+def test_stop_token_ends_generation(llm):
+    """A stop token id ends the output (kept as the last token) with finish_reason 'stop'."""
+    greedy = llm.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    ids = greedy[0].outputs[0].token_ids
+    stop = ids[4]
+    out = llm.generate([[9, 8, 7]], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop],
+                                                    ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ids[: ids.index(stop) + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "prompt, needle",
+    [([], "empty"), ([5, 10**6], "outside the vocabulary"), ([-1], "outside the vocabulary"),
+     (list(range(10)) * 500, "max_model_len")],
+    ids=["empty", "too-large-id", "negative-id", "too-long"],
+)
+def test_bad_prompts_raise_value_error(llm, prompt, needle):
+    """Bad prompts raise ValueError naming the problem, before touching the model."""
+    with pytest.raises(ValueError, match=needle):
+        llm.generate([prompt], SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+     ({"top_k": -2}, "top_k"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    """Invalid SamplingParams raise ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_dtype_and_missing_model():
+    """LLM rejects an unknown dtype and a missing model with errors naming them."""
+    with pytest.raises(ValueError, match="model is required"):
+        LLM()
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(model="/nonexistent", dtype="float16")
