@@ -11,7 +11,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import (
     recurrent_kimi_delta_attention,
 )
 
-from deltaserve.ops.kda import kda_decode, kda_gate, kda_prefill
+from deltaserve.ops.kda import kda_decode, kda_gate, kda_prefill, ref
 
 SENTINEL = 1e30
 
@@ -35,6 +35,14 @@ def assert_slots_untouched(pool: torch.Tensor, used: list[int]) -> None:
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(params=["default_groups", "one_chunk_groups"])
+def groups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with the default intra-chunk grouping and with one chunk per group (steps split across groups)."""
+    if request.param == "one_chunk_groups":
+        monkeypatch.setattr(ref, "_GROUP_ELEMS", 1)
+    return request.param
 
 
 def make_gate(gen: torch.Generator, T: int, H: int, K: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +120,7 @@ def test_kda_prefill_matches_decode(gen: torch.Generator, T: int, kind: str, dty
 
 
 @pytest.mark.parametrize("chunk_size", [64, 16, 48], ids=lambda c: f"C{c}")
-def test_kda_prefill_varlen_state_pool(gen: torch.Generator, chunk_size: int) -> None:
+def test_kda_prefill_varlen_state_pool(gen: torch.Generator, chunk_size: int, groups: str) -> None:
     """A packed batch equals each sequence alone; states go to their scattered slots and other slots are untouched."""
     H, K, V = 3, 24, 40
     lens, slots = [1, 63, 0, 64, 65, 130], [7, 2, 9, 10, 0, 5]
@@ -133,7 +141,7 @@ def test_kda_prefill_varlen_state_pool(gen: torch.Generator, chunk_size: int) ->
 
 
 @pytest.mark.parametrize("chunk_size", [64, 16], ids=lambda c: f"C{c}")
-def test_kda_prefill_checkpoints(gen: torch.Generator, chunk_size: int) -> None:
+def test_kda_prefill_checkpoints(gen: torch.Generator, chunk_size: int, groups: str) -> None:
     """Checkpoint states at arbitrary positions equal the recurrent state after that many tokens, in a varlen batch."""
     H, K, V = 3, 24, 40
     lens = [130, 70]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Element budget of the largest intra-chunk temporary per group of chunks: bounds prefill memory on long prompts.
-_GROUP_ELEMS = 1 << 23
+_GROUP_ELEMS = 1 << 20
 
 
 def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None = None) -> Tensor:
@@ -115,7 +115,7 @@ def _to_chunks(x: Tensor, lay: _Layout, C: int) -> Tensor:
 def _decayed_scores(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
     """``M[x, r, i] = sum_c x_r[c] k_i[c] exp(G_r[c] - G_i[c])`` for ``i <= r`` (0 above), rows ``x = q`` then ``k``.
 
-    Args: q, k, G: ``[B, H, C, K]`` (G is the in-chunk cumulative log-decay). Returns ``[2, B, H, C, C]``.
+    Args: q, k: ``[B, H, C, K]``; G: ``[B, H, C, K]`` fp64 in-chunk cumulative log-decay. Returns ``[2, B, H, C, C]``.
     """
     B, H, C, K = k.shape
     X = torch.stack((q, k))  # [2, B, H, C, K]
@@ -130,10 +130,10 @@ def _decayed_scores(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
         nb = C // (2 * h)
         Gv = G.unflatten(2, (nb, 2, h))  # [B, H, nb, 2, h, K]
         Gp = Gv[:, :, :, 0, h - 1 :]  # [B, H, nb, 1, K]
-        rows = X.unflatten(3, (nb, 2, h))[:, :, :, :, 1] * (Gv[:, :, :, 1] - Gp).exp()  # [2, B, H, nb, h, K]
-        colsT = (k.unflatten(2, (nb, 2, h))[:, :, :, 0] * (Gp - Gv[:, :, :, 0]).exp()).transpose(-1, -2)
+        rows = X.unflatten(3, (nb, 2, h))[:, :, :, :, 1] * (Gv[:, :, :, 1] - Gp).to(X.dtype).exp()  # [2,B,H,nb,h,K]
+        cols = k.unflatten(2, (nb, 2, h))[:, :, :, 0] * (Gp - Gv[:, :, :, 0]).to(X.dtype).exp()  # [B, H, nb, h, K]
         blocks = M.unflatten(3, (nb, 2, h)).unflatten(-1, (nb, 2, h)).diagonal(dim1=3, dim2=6)[:, :, :, 1, :, 0]
-        blocks.copy_((rows @ colsT).permute(0, 1, 2, 4, 5, 3))
+        blocks.copy_((rows @ cols.transpose(-1, -2)).permute(0, 1, 2, 4, 5, 3))
         h //= 2
     # Diagonal leaf blocks: the exact masked form (mask before exp: G_r - G_i > 0 above the diagonal); for a
     # power-of-two C it is just x_r . k_r.
@@ -143,7 +143,7 @@ def _decayed_scores(q: Tensor, k: Tensor, G: Tensor) -> Tensor:
     Gd = G.unflatten(2, (n, lf))
     kE = (
         k.unflatten(2, (n, lf)).unsqueeze(-3)
-        * (Gd.unsqueeze(-2) - Gd.unsqueeze(-3)).masked_fill(~tri, -torch.inf).exp()
+        * (Gd.unsqueeze(-2) - Gd.unsqueeze(-3)).masked_fill(~tri, -torch.inf).to(X.dtype).exp()
     )
     D = torch.einsum("xbhnrc,bhnric->xbhnri", X.unflatten(3, (n, lf)), kE)
     M.unflatten(3, (n, lf)).unflatten(-1, (n, lf)).diagonal(dim1=3, dim2=5).copy_(D.permute(0, 1, 2, 4, 5, 3))
@@ -164,11 +164,12 @@ class _Intra(NamedTuple):
 def _intra(q: Tensor, k: Tensor, v: Tensor, G: Tensor, beta: Tensor) -> _Intra:
     A, Mk = _decayed_scores(q, k, G).unbind(0)
     # (I + L) with L = beta_r * Mk strictly below the diagonal: solve_triangular ignores the diagonal and upper part.
-    rhs = torch.cat((v, k * G.exp()), -1) * beta.unsqueeze(-1)
+    eG = G.to(q.dtype).exp()
+    rhs = torch.cat((v, k * eG), -1) * beta.unsqueeze(-1)
     UW = torch.linalg.solve_triangular(beta.unsqueeze(-1) * Mk, rhs, upper=False, unitriangular=True)
     U, W = UW.split((v.shape[-1], k.shape[-1]), -1)
     G_C = G[:, :, -1:]
-    return _Intra(A, U, W, q * G.exp(), k * (G_C - G).exp(), G_C.squeeze(2).exp())
+    return _Intra(A, U, W, q * eG, k * (G_C - G).to(q.dtype).exp(), eG[:, :, -1])
 
 
 def _plan_checkpoints(
@@ -196,6 +197,30 @@ def _units(offs: list[int], g0: int, g1: int) -> Iterator[tuple[int, int, int]]:
     while t < len(offs) - 1 and offs[t] < g1:
         yield t, max(offs[t], g0), min(offs[t + 1], g1)
         t += 1
+
+
+def _checkpoints_in(
+    out: Tensor,
+    plan: tuple[Tensor, Tensor, list[int]],
+    lo: int,
+    hi: int,
+    G: Tensor,
+    kc: Tensor,
+    Vp: Tensor,
+    S_in: Tensor,
+) -> None:
+    """Write into ``out`` the checkpoints inside chunks ``lo:hi``, whose entering states are ``S_in`` and
+    pseudo-values ``Vp``: ``S_j = Diag(exp(G_j)) S_in + (K[:j] * exp(G_j - G[:j]))^T V'[:j]`` (spec §3.7, exact)."""
+    cid, j, _ = plan
+    sel = ((cid >= lo) & (cid < hi)).nonzero().squeeze(1)
+    if sel.numel() == 0:
+        return
+    c, jj, rr = cid[sel], j[sel], cid[sel] - lo
+    Gc = G[c]  # [P, H, C, K]
+    Gj = Gc[torch.arange(sel.numel(), device=G.device), :, jj - 1]  # [P, H, K]
+    keep = (torch.arange(G.shape[2], device=G.device) < jj.unsqueeze(1))[:, None, :, None]  # [P, 1, C, 1]
+    kd = kc[c] * (Gj.unsqueeze(2) - Gc).masked_fill(~keep, -torch.inf).to(kc.dtype).exp()
+    out[sel] = Gj.to(kc.dtype).exp().unsqueeze(-1) * S_in[rr] + kd.transpose(-1, -2) @ Vp[rr]
 
 
 def kda_prefill(
@@ -229,7 +254,7 @@ def kda_prefill(
     Returns:
         ``(o, checkpoints)``: ``o`` ``[T, H, V]`` in ``q``'s dtype; ``checkpoints`` a list of ``N`` tensors
         ``[len(positions_i), H, K, V]`` in the pool's dtype (``[0, H, K, V]`` when none requested).
-        Math in fp32 (fp64 if ``q`` or the pool is fp64).
+        Math in fp32 (fp64 if ``q`` or the pool is fp64), the cumulative log-decays in fp64.
     """
     cdt = _compute_dtype(q, state_pool)
     C, (H, K), V = chunk_size, k.shape[1:], v.shape[-1]
@@ -237,7 +262,9 @@ def kda_prefill(
     N, NC = lay.rank.numel(), lay.offs[-1]
     qn, kn = _qk_norm(q, k, cdt)
     qc, kc, vc, gc, bc = (_to_chunks(x.to(cdt), lay, C) for x in (qn, kn, v, g, beta))
-    G = gc.cumsum(2)
+    # fp64 cumulative log-decay: exponents are differences G_r - G_i of values that reach -C*|g| (-320 at the K3
+    # bound); in fp32 their absolute error eps*|G| would be a relative error of every decay factor.
+    G = gc.to(torch.float64).cumsum(2)
     slots = state_indices.to(device=q.device, dtype=torch.int64)[lay.order]
     S = state_pool[slots].to(cdt)  # [N, H, K, V] in rank order
     O = qc.new_empty(NC, H, C, V)  # every chunk is written by exactly one unit
@@ -261,27 +288,3 @@ def kda_prefill(
     cps = cps.to(state_pool.dtype)
     ckpts = list(cps.split(plan[2])) if plan else [cps.new_zeros(0, H, K, V) for _ in range(N)]
     return O[lay.cid, :, lay.pos].to(q.dtype), ckpts
-
-
-def _checkpoints_in(
-    out: Tensor,
-    plan: tuple[Tensor, Tensor, list[int]],
-    lo: int,
-    hi: int,
-    G: Tensor,
-    kc: Tensor,
-    Vp: Tensor,
-    S_in: Tensor,
-) -> None:
-    """Write into ``out`` the checkpoints inside chunks ``lo:hi``, whose entering states are ``S_in`` and
-    pseudo-values ``Vp``: ``S_j = Diag(exp(G_j)) S_in + (K[:j] * exp(G_j - G[:j]))^T V'[:j]`` (spec §3.7, exact)."""
-    cid, j, _ = plan
-    sel = ((cid >= lo) & (cid < hi)).nonzero().squeeze(1)
-    if sel.numel() == 0:
-        return
-    c, jj, rr = cid[sel], j[sel], cid[sel] - lo
-    Gc = G[c]  # [P, H, C, K]
-    Gj = Gc[torch.arange(sel.numel(), device=G.device), :, jj - 1]  # [P, H, K]
-    keep = (torch.arange(G.shape[2], device=G.device) < jj.unsqueeze(1))[:, None, :, None]  # [P, 1, C, 1]
-    kd = kc[c] * (Gj.unsqueeze(2) - Gc).masked_fill(~keep, -torch.inf).exp()
-    out[sel] = Gj.exp().unsqueeze(-1) * S_in[rr] + kd.transpose(-1, -2) @ Vp[rr]
