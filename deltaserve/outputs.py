@@ -13,7 +13,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    """"stop" (eos or a stop token), "length" (max_tokens), or None while running."""
+    """"stop" (eos, a stop token or a stop string), "length" (max_tokens), "abort", or None while running."""
+    logprobs: list | None = None
+    """Per generated token a `TokenLogprobs` (sampled token, rank, top alternatives) when requested."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""`SamplingParams`: per-request decoding settings, vLLM-compatible names and defaults."""
+"""`SamplingParams`: per-request decoding settings, with vLLM's names and defaults."""
 
 from __future__ import annotations
 
@@ -9,38 +9,82 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How to pick tokens for one request. Invalid values raise ValueError naming the field."""
 
+    n: int = 1
+    """Independent output sequences for the prompt."""
     max_tokens: int = 16
-    """Most tokens to generate."""
+    """Most tokens to generate per output sequence."""
+    min_tokens: int = 0
+    """Stop tokens and stop strings are ignored (stop tokens masked) until this many tokens exist."""
     temperature: float = 1.0
     """0 means greedy (argmax)."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 or -1 keeps all."""
     top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches top_p."""
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens seen in the prompt or output (positive logits divided, negative multiplied)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of every token already generated."""
     seed: int | None = None
-    """Seed of this request's own random generator (reproducible whatever else runs)."""
+    """Seed of this request's own generator: the same tokens whatever else is in the batch."""
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    """Strings that end generation; the text is cut before the stop string."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     """Extra token ids that end generation (the stop token is kept in the output ids)."""
     ignore_eos: bool = False
     """Do not stop at the model's end-of-sequence tokens."""
-    min_tokens: int = 0
-    """Do not stop (on eos or stop ids) before this many tokens."""
+    logprobs: int | None = None
+    """Return the log-probability of each sampled token and this many most likely alternatives (0: sampled only)."""
     skip_special_tokens: bool = True
     """Drop special tokens from the output text."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("n", self.n, 1)
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+            if self.logprobs > 20:
+                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -17,7 +17,8 @@ import transformers
 
 from deltaserve.models.loader import load_model
 from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
-from deltaserve.runner.model_runner import ModelRunner, ScheduledChunk
+from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.scheduler.output import ScheduledChunk
 
 
 def timed(fn, repeats: int) -> float:
@@ -33,19 +34,48 @@ def timed(fn, repeats: int) -> float:
 
 def ours_prefill(runner: ModelRunner, ids: list[int]):
     blocks = list(range(runner.num_blocks))
-    return lambda: runner.execute([ScheduledChunk(new_token_ids=ids, num_computed_tokens=0, state_slot=0,
-                                                  block_ids=blocks, reset_state=True)])
+    return lambda: runner.execute_model(
+        [
+            ScheduledChunk(
+                request_id="r",
+                new_token_ids=ids,
+                num_computed_tokens=0,
+                state_slot=0,
+                block_ids=blocks,
+                reset_state=True,
+            )
+        ]
+    )
 
 
 def ours_decode_step_time(runner: ModelRunner, ids: list[int], steps: int) -> float:
     blocks = list(range(runner.num_blocks))
-    runner.execute([ScheduledChunk(new_token_ids=ids, num_computed_tokens=0, state_slot=0, block_ids=blocks,
-                                   reset_state=True)])
+    runner.execute_model(
+        [
+            ScheduledChunk(
+                request_id="r",
+                new_token_ids=ids,
+                num_computed_tokens=0,
+                state_slot=0,
+                block_ids=blocks,
+                reset_state=True,
+            )
+        ]
+    )
     times, token = [], ids[-1]
     for i in range(steps):
         start = time.perf_counter()
-        logits = runner.execute([ScheduledChunk(new_token_ids=[token], num_computed_tokens=len(ids) + i,
-                                                state_slot=0, block_ids=blocks)])
+        logits = runner.execute_model(
+            [
+                ScheduledChunk(
+                    request_id="r",
+                    new_token_ids=[token],
+                    num_computed_tokens=len(ids) + i,
+                    state_slot=0,
+                    block_ids=blocks,
+                )
+            ]
+        )
         token = int(logits[0].argmax())
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.runner.model_runner import ModelRunner, ScheduledChunk
+from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.scheduler.output import ScheduledChunk
 
 
 def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
@@ -17,7 +18,7 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     """deltaserve logits for every prompt position, through the runner's real batch building (scattered blocks)."""
     runner = ModelRunner(model, num_blocks=16, block_size=16, num_slots=2)
     blocks = [3, 0, 5, 1, 7, 2, 9, 4, 11, 6, 13, 8, 15, 10, 12, 14]
-    chunk = ScheduledChunk(new_token_ids=ids, num_computed_tokens=0, state_slot=1, block_ids=blocks)
+    chunk = ScheduledChunk(request_id="r", new_token_ids=ids, num_computed_tokens=0, state_slot=1, block_ids=blocks)
     x, batch, _ = runner.build_batch([chunk])
     with torch.inference_mode():
         return model.compute_logits(model(x, batch, runner.caches))

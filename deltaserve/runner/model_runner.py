@@ -1,28 +1,26 @@
-"""Turn a list of scheduled chunks into one flattened batch (decode rows first), run the model, return logits."""
+"""Turn a step's scheduled chunks into one flattened batch (decode rows first), run the model, sample."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from deltaserve.layers.forward_batch import ForwardBatch, KDALayerCache
 from deltaserve.runner.kv_tensors import allocate_layer_caches
+from deltaserve.runner.sampler import SamplingRow, sample
+from deltaserve.scheduler.output import NewRequestData, RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ScheduledChunk:
-    """The tokens of one sequence to compute in this step and where its cache lives."""
+@dataclass(slots=True)
+class _RequestState:
+    """What the runner keeps per live request for sampling."""
 
-    new_token_ids: Sequence[int]
-    num_computed_tokens: int
-    """Tokens of this sequence already in the cache (the new ones follow them)."""
-    state_slot: int
-    block_ids: Sequence[int]
-    """KV blocks covering at least num_computed_tokens + len(new_token_ids) tokens."""
-    reset_state: bool = False
-    """Zero the KDA state slot before computing (a sequence starting from scratch)."""
+    data: NewRequestData
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -31,11 +29,57 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, num_slots: int) -> None:
         self.model = model
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
-        device = next(model.parameters()).device
-        self.device = device
+        self.device = next(model.parameters()).device
         self.caches = allocate_layer_caches(
-            model.cache_specs(), num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device=device
+            model.cache_specs(), num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device=self.device
         )
+        self._requests: dict[str, _RequestState] = {}
+
+    # -- the engine's entry point --------------------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step; returns a sampled token for every chunk with `sample` set."""
+        start = time.perf_counter()
+        for rid in out.finished_request_ids:
+            self._requests.pop(rid, None)
+        for data in out.new_requests:
+            seed = data.params.seed
+            gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+            self._requests[data.request_id] = _RequestState(data, gen)
+        sampled: dict[str, SampledToken] = {}
+        if out.chunks:
+            logits = self.execute_model(out.chunks, only_sampled=True)
+            chunks = [c for c in out.chunks if c.sample]
+            states = [self._requests[c.request_id] for c in chunks]
+            rows = [
+                SamplingRow(params=s.data.params, generator=s.generator, prompt_token_ids=s.data.prompt_token_ids,
+                            output_token_ids=s.output_token_ids, stop_token_ids=s.data.stop_token_ids)
+                for s in states
+            ]
+            if rows:
+                result = sample(logits, rows)
+                for c, s, tok, lp in zip(chunks, states, result.token_ids, result.logprobs, strict=True):
+                    s.output_token_ids.append(tok)
+                    sampled[c.request_id] = SampledToken(tok, lp)
+        return RunnerOutput(sampled=sampled, forward_seconds=time.perf_counter() - start)
+
+    # -- the model step ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, chunks: Sequence[ScheduledChunk], only_sampled: bool = False) -> torch.Tensor:
+        """Forward pass; fp32 last-token logits [N, vocab] of each chunk in the order given (of the sampled chunks
+        only, when `only_sampled`)."""
+        for c in chunks:
+            if c.reset_state:
+                self.reset_slot(c.state_slot)
+        ids, batch, order = self.build_batch(chunks)
+        hidden = self.model(ids, batch, self.caches)
+        last = batch.cu_seqlens[1:] - 1
+        inverse = torch.empty(len(order), dtype=torch.int64)
+        inverse[torch.tensor(order)] = torch.arange(len(order))  # original index -> row in the batch
+        wanted = [i for i, c in enumerate(chunks) if c.sample or not only_sampled]
+        rows = last[inverse[torch.tensor(wanted, dtype=torch.int64)].to(last.device)]
+        return self.model.compute_logits(hidden[rows])
 
     def build_batch(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Flatten `chunks` (decodes first). Returns input ids [T], the batch, and the order used."""
@@ -67,19 +111,6 @@ class ModelRunner:
             slot_mapping=slot_mapping.to(dev),
         )
         return ids.to(dev), batch, order
-
-    @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; returns fp32 logits [N, vocab] of each chunk's last token, in the order given."""
-        for c in chunks:
-            if c.reset_state:
-                self.reset_slot(c.state_slot)
-        ids, batch, order = self.build_batch(chunks)
-        hidden = self.model(ids, batch, self.caches)
-        logits = self.model.compute_logits(hidden[batch.cu_seqlens[1:] - 1])
-        out = torch.empty_like(logits)
-        out[torch.tensor(order, device=logits.device)] = logits
-        return out
 
     def reset_slot(self, slot: int) -> None:
         """Zero a KDA state slot (recurrent state and conv window) in every KDA layer."""

@@ -1,31 +1,170 @@
-"""Token selection from fp32 logits: greedy, temperature, top-k, top-p, each row with its own generator."""
+"""Token selection for one batch of logits, with vLLM v1 semantics: min_tokens stop masking, penalties, greedy or
+temperature/top-k/min-p/top-p sampling with per-request generators, and logprobs of the raw logits.
+
+The tensor work lives in `deltaserve.ops.sampling`; this module turns per-row `SamplingParams` into batched tensors.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import torch
 
+from deltaserve.ops import sampling as sampling_ops
 from deltaserve.sampling_params import SamplingParams
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """logits: [N, V] fp32 -> token ids [N] int64. Greedy rows take the argmax; others sample."""
-    out = logits.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Drop a token when the mass before it already reaches top_p (the first token always stays).
-            drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        out[i] = torch.multinomial(probs, 1, generator=generators[i]).squeeze(0)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingRow:
+    """Everything the sampler needs about one logits row (one sequence). Built by the runner per step."""
+
+    params: SamplingParams
+    """The request's decoding settings."""
+    generator: torch.Generator | None
+    """The request's own generator (seeded requests), on the logits' device; advanced by one [V] draw per sampled
+    (non-greedy) step. None: the row draws from torch's default generator of that device, batched with the other
+    unseeded rows."""
+    prompt_token_ids: Sequence[int]
+    """Prompt tokens (repetition penalty). Read only when the params have a penalty."""
+    output_token_ids: Sequence[int]
+    """Tokens this sequence generated so far (penalties, min_tokens)."""
+    stop_token_ids: frozenset[int]
+    """EOS and stop token ids: masked to -inf while ``len(output_token_ids) < params.min_tokens``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token, from the raw logits (log_softmax before penalties, temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    """Of the sampled token."""
+    rank: int
+    """1 + the number of tokens with a strictly higher logprob (1 = most likely)."""
+    top: tuple[tuple[int, float], ...]
+    """The ``params.logprobs`` most likely ``(token id, logprob)`` pairs, best first (empty for logprobs=0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """One sampled token per row, in row order."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    """None for rows whose ``params.logprobs`` is None."""
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    """Pick one token per row.
+
+    Order (vLLM v1): stop tokens masked for rows below ``min_tokens``; repetition, frequency and presence penalties;
+    greedy rows (temperature 0) take the argmax; the others divide by their temperature, apply min-p and top-k, then
+    top-p, and sample by exponential race. A seeded row's token depends only on its own logits row and generator.
+
+    Args:
+        logits: ``[N, V]`` fp32; row i belongs to ``rows[i]``. Not modified.
+        rows: N sampling rows.
+
+    Returns:
+        The N token ids and, per row, its logprobs (computed from the raw ``logits``) or None.
+    """
+    if logits.ndim != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [N, V] with N = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
+    raw = logits
+    logits = _mask_stop_tokens(logits, rows)
+    logits = _apply_penalties(logits, rows)
+    token_ids = logits.argmax(dim=-1)  # [N]
+    random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        sampled = _sample_random(logits.index_select(0, idx), [rows[i] for i in random_rows])
+        token_ids.index_copy_(0, idx, sampled)
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(raw, token_ids, rows))
+
+
+def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    pairs = [
+        (i, token)
+        for i, row in enumerate(rows)
+        if len(row.output_token_ids) < row.params.min_tokens
+        for token in row.stop_token_ids
+        if 0 <= token < vocab_size
+    ]
+    if not pairs:
+        return logits
+    row_idx, token_idx = torch.tensor(pairs, device=logits.device).T
+    return logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                               device=logits.device))
+
+
+def _counts(seqs: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
+    cu_seqlens = torch.tensor([0, *accumulate(len(s) for s in seqs)], dtype=torch.long)
+    return sampling_ops.token_counts(flat.to(device), cu_seqlens.to(device), vocab_size)  # [n, V]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not penalised:
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    sub = [rows[i] for i in penalised]
+    idx = torch.tensor(penalised, device=device)
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(r.params, name) for r in sub], dtype=torch.float32, device=device)
+
+    out = sampling_ops.apply_penalties(
+        logits.index_select(0, idx),
+        _counts([r.prompt_token_ids for r in sub], vocab_size, device),
+        _counts([r.output_token_ids for r in sub], vocab_size, device),
+        per_row("repetition_penalty"),
+        per_row("presence_penalty"),
+        per_row("frequency_penalty"),
+    )
+    return logits.index_copy(0, idx, out)
+
+
+def _needs_filter(params: SamplingParams, vocab_size: int) -> bool:
+    return 0 < params.top_k < vocab_size or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits [M, V]`` (penalised, non-greedy rows only) -> ``[M]`` sampled token ids."""
+    device, vocab_size = logits.device, logits.shape[1]
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
+    logits = sampling_ops.apply_temperature(logits, temperature)
+    # Only rows with a filter go through the sort, so an unfiltered row's probabilities never depend on its batch.
+    filtered = [i for i, r in enumerate(rows) if _needs_filter(r.params, vocab_size)]
+    if filtered:
+        idx = torch.tensor(filtered, device=device)
+        params = [rows[i].params for i in filtered]
+        masked = sampling_ops.apply_top_k_top_p_min_p(
+            logits.index_select(0, idx),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        )
+        logits = logits.index_copy(0, idx, masked)
+    return sampling_ops.random_sample(logits.softmax(dim=-1), [r.generator for r in rows])
+
+
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return out
+    idx = torch.tensor(wanted, device=raw.device)
+    num_top = min(max(rows[i].params.logprobs for i in wanted), raw.shape[1])
+    top_ids, top_logprobs, token_logprobs, ranks = sampling_ops.gather_logprobs(
+        sampling_ops.compute_logprobs(raw.index_select(0, idx)), token_ids.index_select(0, idx), num_top
+    )
+    ids, top_ids_l, top_lp_l = token_ids.tolist(), top_ids.tolist(), top_logprobs.tolist()
+    for j, (i, logprob, rank) in enumerate(zip(wanted, token_logprobs.tolist(), ranks.tolist(), strict=True)):
+        n = rows[i].params.logprobs
+        out[i] = TokenLogprobs(token_id=ids[i], logprob=logprob, rank=rank,
+                               top=tuple(zip(top_ids_l[j][:n], top_lp_l[j][:n], strict=True)))
     return out

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from deltaserve.models.loader import load_model
-from deltaserve.runner.model_runner import ModelRunner, ScheduledChunk
+from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.scheduler.output import ScheduledChunk
 from tests.helpers import full_logits, prompt_ids, relative_error
 
 # The perturbed tiny model amplifies rounding: transformers' own cached-vs-full fp32 gap on it is 2e-5 relative.
@@ -24,9 +25,15 @@ def run_in_pieces(model, ids: list[int], pieces: list[int], slot: int = 0) -> to
     runner = ModelRunner(model, num_blocks=8, block_size=16, num_slots=3)
     blocks, done, out = [6, 2, 7, 0, 5], 0, []
     for n in pieces:
-        chunk = ScheduledChunk(new_token_ids=ids[done : done + n], num_computed_tokens=done, state_slot=slot,
-                               block_ids=blocks, reset_state=done == 0)
-        out.append(runner.execute([chunk])[0])
+        chunk = ScheduledChunk(
+            request_id="r",
+            new_token_ids=ids[done : done + n],
+            num_computed_tokens=done,
+            state_slot=slot,
+            block_ids=blocks,
+            reset_state=done == 0,
+        )
+        out.append(runner.execute_model([chunk])[0])
         done += n
     return torch.stack(out)
 
@@ -55,21 +62,51 @@ def test_mixed_batch_equals_each_alone(model):
     runner = ModelRunner(model, num_blocks=24, block_size=4, num_slots=4)
     tables = [[0, 4, 8], [1, 5, 9, 12, 13], [2, 6], [3, 7, 10, 11, 14, 15, 16, 17, 18]]  # disjoint, scattered
     # Warm sequences 0 and 1 with all but their last token, so their last token is a decode row.
-    runner.execute([
-        ScheduledChunk(new_token_ids=seqs[0][:-1], num_computed_tokens=0, state_slot=2, block_ids=tables[0],
-                       reset_state=True),
-        ScheduledChunk(new_token_ids=seqs[1][:-1], num_computed_tokens=0, state_slot=0, block_ids=tables[1],
-                       reset_state=True),
-    ])
+    runner.execute_model(
+        [
+            ScheduledChunk(
+                request_id="r",
+                new_token_ids=seqs[0][:-1],
+                num_computed_tokens=0,
+                state_slot=2,
+                block_ids=tables[0],
+                reset_state=True,
+            ),
+            ScheduledChunk(
+                request_id="r",
+                new_token_ids=seqs[1][:-1],
+                num_computed_tokens=0,
+                state_slot=0,
+                block_ids=tables[1],
+                reset_state=True,
+            ),
+        ]
+    )
     chunks = [
-        ScheduledChunk(new_token_ids=seqs[3], num_computed_tokens=0, state_slot=1, block_ids=tables[3],
-                       reset_state=True),
-        ScheduledChunk(new_token_ids=seqs[0][-1:], num_computed_tokens=8, state_slot=2, block_ids=tables[0]),
-        ScheduledChunk(new_token_ids=seqs[2], num_computed_tokens=0, state_slot=3, block_ids=tables[2],
-                       reset_state=True),
-        ScheduledChunk(new_token_ids=seqs[1][-1:], num_computed_tokens=19, state_slot=0, block_ids=tables[1]),
+        ScheduledChunk(
+            request_id="r",
+            new_token_ids=seqs[3],
+            num_computed_tokens=0,
+            state_slot=1,
+            block_ids=tables[3],
+            reset_state=True,
+        ),
+        ScheduledChunk(
+            request_id="r", new_token_ids=seqs[0][-1:], num_computed_tokens=8, state_slot=2, block_ids=tables[0]
+        ),
+        ScheduledChunk(
+            request_id="r",
+            new_token_ids=seqs[2],
+            num_computed_tokens=0,
+            state_slot=3,
+            block_ids=tables[2],
+            reset_state=True,
+        ),
+        ScheduledChunk(
+            request_id="r", new_token_ids=seqs[1][-1:], num_computed_tokens=19, state_slot=0, block_ids=tables[1]
+        ),
     ]
-    out = runner.execute(chunks)
+    out = runner.execute_model(chunks)
     for row, seq in zip(out, [3, 0, 2, 1], strict=True):
         assert relative_error(row, alone[seq][-1]) < TOL[model.dtype], f"sequence {seq}"
 
@@ -78,17 +115,33 @@ def test_kda_checkpoints_equal_states_of_a_shorter_prefill(model):
     """Intermediate KDA states requested through the batch equal the final states of a prefill that stops there."""
     ids = prompt_ids(1024, 50, seed=4)
     runner = ModelRunner(model, num_blocks=8, block_size=16, num_slots=2)
-    chunk = ScheduledChunk(new_token_ids=ids, num_computed_tokens=0, state_slot=0, block_ids=list(range(4)))
+    chunk = ScheduledChunk(
+        request_id="r", new_token_ids=ids, num_computed_tokens=0, state_slot=0, block_ids=list(range(4))
+    )
     x, batch, _ = runner.build_batch([chunk])
-    batch = type(batch)(**{**{f: getattr(batch, f) for f in batch.__slots__ if f != "checkpoints"},
-                           "checkpoint_positions": ((16, 32, 50),)})
+    batch = type(batch)(
+        **{
+            **{f: getattr(batch, f) for f in batch.__slots__ if f != "checkpoints"},
+            "checkpoint_positions": ((16, 32, 50),),
+        }
+    )
     runner.reset_slot(0)
     with torch.inference_mode():
         model(x, batch, runner.caches)
     for pos_index, pos in enumerate((16, 32, 50)):
         short = ModelRunner(model, num_blocks=8, block_size=16, num_slots=1)
-        short.execute([ScheduledChunk(new_token_ids=ids[:pos], num_computed_tokens=0, state_slot=0,
-                                      block_ids=list(range(4)), reset_state=True)])
+        short.execute_model(
+            [
+                ScheduledChunk(
+                    request_id="r",
+                    new_token_ids=ids[:pos],
+                    num_computed_tokens=0,
+                    state_slot=0,
+                    block_ids=list(range(4)),
+                    reset_state=True,
+                )
+            ]
+        )
         for layer_id in model.config.kda_layer_ids:
             got = batch.checkpoints[layer_id][0][pos_index]
             assert relative_error(got, short.caches[layer_id].state[0]) < TOL[model.dtype]

@@ -1,4 +1,4 @@
-"""Frozen configuration dataclasses; `ModelConfig.from_pretrained` is where a checkpoint's config.json stops.
+"""The model config: `ModelConfig.from_pretrained` is where a checkpoint's config.json stops.
 
 Every field is documented once, here. Layers receive the sub-config they need (`KDAConfig`, `MLAConfig`,
 `MoEConfig`), never the raw dict.

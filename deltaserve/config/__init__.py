@@ -1,0 +1,16 @@
+"""Frozen configuration dataclasses: the model (from a checkpoint's config.json) and the engine's arguments."""
+
+from deltaserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+from deltaserve.config.model import ConfigError, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+
+__all__ = [
+    "CacheConfig",
+    "ConfigError",
+    "EngineConfig",
+    "KDAConfig",
+    "MLAConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "SchedulerConfig",
+    "parse_memory",
+]

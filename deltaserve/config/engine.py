@@ -1,0 +1,90 @@
+"""Engine arguments: cache sizing, scheduling limits, and the root `EngineConfig` that composes them.
+
+Each field is documented once here; `deltaserve ... --help` is generated from these docstrings.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_memory(text: str | int | float, available_bytes: int) -> int:
+    """'2GiB', '512MB', '1000000' (bytes) or a fraction in (0, 1] of `available_bytes` -> bytes."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        text = str(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cache_memory={text!r}: expected bytes ('2GiB', '512MB', '1000000') or a fraction like 0.5")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    if not unit and value <= 1.0 and "." in m.group(1):
+        return int(value * available_bytes)
+    return int(value * _UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheConfig:
+    """How much memory the MLA KV blocks and KDA state slots get, and how it is split."""
+
+    block_size: int = 16
+    """Tokens per MLA KV block."""
+    cache_memory: str = "2GiB"
+    """Memory for both pools: bytes ('2GiB', '512MB') or a fraction of free memory ('0.5')."""
+    num_blocks: int | None = None
+    """Override the planner: exactly this many KV blocks."""
+    num_state_slots: int | None = None
+    """Override the planner: exactly this many KDA state slots (concurrent sequences)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        for name in ("num_blocks", "num_state_slots"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfig:
+    """Per-step limits and the queue policy."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decodes, prefill chunks); long prompts are chunked to fit."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    policy: str = "fcfs"
+    """Waiting-queue order: 'fcfs' (arrival) or 'priority' (lower value first, then arrival)."""
+    watchdog_timeout_s: float = 60.0
+    """Log an error when requests are pending but none made progress for this long."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy={self.policy!r} is not supported (supported: 'fcfs', 'priority')")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Everything the engine needs; each component receives only its own sub-config."""
+
+    model: str
+    """Checkpoint directory."""
+    dtype: str = "float32"
+    """Weights and activations: 'float32' or 'bfloat16' (router, gates and KDA state stay fp32)."""
+    max_model_len: int | None = None
+    """Cap on prompt + output tokens (default: the model's own limit)."""
+    seed: int = 0
+    """Seed of the generator shared by unseeded sampling requests."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} is not supported (supported: 'bfloat16', 'float32')")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,168 @@
+"""Reference token-sampling ops: penalties, temperature, top-k/top-p/min-p masks, exponential-race sampling, logprobs.
+
+Pure PyTorch on ``[N, V]`` logits (row i = one sequence); every function is out of place and batched over rows,
+except the per-row generator draws in :func:`random_sample`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def token_counts(token_ids: Tensor, cu_seqlens: Tensor, vocab_size: int) -> Tensor:
+    """How often each vocabulary entry occurs in each of N packed token sequences.
+
+    Args:
+        token_ids: ``[T]`` int token ids; row i owns ``token_ids[cu_seqlens[i]:cu_seqlens[i+1]]``. Every id must be
+            in ``[0, vocab_size)``.
+        cu_seqlens: ``[N+1]`` int cumulative lengths, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``; empty rows
+            are allowed.
+        vocab_size: V.
+
+    Returns:
+        ``[N, V]`` int64 counts on ``token_ids.device`` (built with one ``scatter_add_``).
+    """
+    device = token_ids.device
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    num_rows = cu.numel() - 1
+    lengths = cu[1:] - cu[:-1]  # [N]
+    row_of_token = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths,
+                                           output_size=token_ids.numel())  # [T]
+    flat = row_of_token * vocab_size + token_ids.to(torch.long)  # [T]
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts.view(num_rows, vocab_size)
+
+
+def apply_penalties(
+    logits: Tensor,
+    prompt_counts: Tensor,
+    output_counts: Tensor,
+    repetition_penalty: Tensor,
+    presence_penalty: Tensor,
+    frequency_penalty: Tensor,
+) -> Tensor:
+    """vLLM's repetition, presence and frequency penalties (in that order).
+
+    A token seen in the prompt or the output has a positive logit divided by ``repetition_penalty`` and a
+    non-positive one multiplied by it; then ``frequency_penalty * output count`` and ``presence_penalty`` (if the
+    output contains it) are subtracted. Neutral values (1, 0, 0) leave a row bit-identical.
+
+    Args:
+        logits: ``[N, V]`` float; not modified.
+        prompt_counts: ``[N, V]`` int or bool, non-zero where the token occurs in the prompt.
+        output_counts: ``[N, V]`` int occurrences in the generated output (see :func:`token_counts`).
+        repetition_penalty: ``[N]`` float, > 0.
+        presence_penalty: ``[N]`` float.
+        frequency_penalty: ``[N]`` float.
+
+    Returns:
+        ``[N, V]`` penalised logits, a new tensor in ``logits.dtype``.
+    """
+    dtype = logits.dtype
+    seen = (prompt_counts != 0) | (output_counts != 0)  # [N, V]
+    rep = torch.where(seen, repetition_penalty.to(dtype)[:, None], 1.0)  # [N, V]
+    out = torch.where(logits > 0, logits / rep, logits * rep)
+    out = out - frequency_penalty.to(dtype)[:, None] * output_counts.to(dtype)
+    return out - presence_penalty.to(dtype)[:, None] * (output_counts != 0).to(dtype)
+
+
+def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
+    """``logits [N, V] / temperature [N]`` (every temperature > 0; greedy rows never get here). Out of place."""
+    return logits / temperature.to(logits.dtype)[:, None]
+
+
+def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """Set to ``-inf`` every token that top-k, min-p or top-p drops, with one sort for the whole batch.
+
+    The order is vLLM v1's: min-p and top-k (both thresholds on the logit value, so they commute), then top-p on
+    the distribution renormalised over the survivors. The most likely token always survives.
+
+    Args:
+        logits: ``[N, V]`` float (temperature already applied); not modified.
+        top_k: ``[N]`` int; keep the tokens whose logit is >= the k-th largest (ties at the k-th value all stay,
+            as in vLLM). ``<= 0`` or ``>= V`` disables it.
+        top_p: ``[N]`` float in (0, 1]; keep the smallest set of most likely tokens whose probability reaches
+            ``top_p``: a token is dropped when the tokens ranked strictly before it already hold ``>= top_p``
+            (computed as vLLM does, from the tail). 1 disables it.
+        min_p: ``[N]`` float in [0, 1]; drop tokens whose probability is ``< min_p * max probability``. 0 disables.
+
+    Returns:
+        ``[N, V]`` logits with dropped tokens at ``-inf``, a new tensor.
+    """
+    vocab_size = logits.shape[1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
+    k = top_k.to(device=device, dtype=torch.long)
+    k = torch.where((k <= 0) | (k > vocab_size), vocab_size, k)  # [N]
+    kth_value = sorted_logits.gather(1, (k - 1)[:, None])  # [N, 1]
+    drop = sorted_logits < kth_value  # [N, V]
+    probs = sorted_logits.softmax(dim=-1)
+    drop |= probs < min_p.to(device=device, dtype=probs.dtype)[:, None] * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # vLLM's form of "the mass ranked before the token reaches top_p": the mass from the token down to the least
+    # likely one is <= 1 - top_p. Unlike a running sum from the top, it cannot drift past 1 and drop tail tokens
+    # when top_p == 1.
+    tail_mass = probs.flip(-1).cumsum(dim=-1).flip(-1)  # [N, V]
+    drop = tail_mass <= 1 - top_p.to(device=device, dtype=probs.dtype)[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def random_sample(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """Exponential race (Gumbel-max): row i's token is ``argmax(probs[i] / q)`` with ``q ~ Exp(1)`` of shape [V].
+
+    A row with its own generator draws its ``q`` alone, so its token depends only on ``probs[i]`` and that
+    generator's state (not on the batch or the row's position). Rows with ``None`` draw one batched ``q`` from
+    torch's default generator of ``probs.device``.
+
+    Args:
+        probs: ``[N, V]`` float probabilities (rows need not be normalised; zeros are never picked while a row has
+            a positive entry); not modified.
+        generators: N entries; a generator must live on ``probs.device``. Each one advances by one [V] draw.
+
+    Returns:
+        ``[N]`` int64 token ids.
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"need one generator entry per row: {len(generators)} for {probs.shape[0]} rows")
+    q = torch.empty_like(probs)  # [N, V]
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        idx = torch.tensor(shared, device=probs.device)
+        q.index_copy_(0, idx, torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype,
+                                          device=probs.device).exponential_())
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    # exponential_ may return exactly 0; a tiny floor keeps probs / q finite without changing any realistic race.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def compute_logprobs(logits: Tensor) -> Tensor:
+    """``log_softmax`` over the vocabulary in fp32: ``[N, V]`` -> ``[N, V]`` float32. Out of place."""
+    return torch.log_softmax(logits.to(torch.float32), dim=-1)
+
+
+def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The sampled tokens' logprobs and ranks, and the ``num_top`` most likely tokens of each row.
+
+    Args:
+        logprobs: ``[N, V]`` from :func:`compute_logprobs`.
+        token_ids: ``[N]`` int sampled token per row.
+        num_top: how many alternatives to return, ``0 <= num_top <= V``.
+
+    Returns:
+        ``(top_ids [N, num_top] int64, top_logprobs [N, num_top], token_logprobs [N], ranks [N] int64)``: the top
+        list best first; ``rank = 1 + number of tokens with a strictly higher logprob``.
+    """
+    token_logprobs = logprobs.gather(1, token_ids.to(torch.long)[:, None])  # [N, 1]
+    ranks = 1 + (logprobs > token_logprobs).sum(dim=-1)  # [N]
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1, sorted=True)  # [N, num_top] each
+    return top_ids, top_logprobs, token_logprobs.squeeze(1), ranks

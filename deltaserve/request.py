@@ -1,0 +1,73 @@
+"""`Request`: one sequence being generated, tracked by `num_tokens` and `num_computed_tokens` (no phases)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from deltaserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    """An end-of-sequence token, a stop token id or a stop string."""
+    LENGTH = "length"
+    """max_tokens, or the model's length limit."""
+    ABORT = "abort"
+    """Cancelled by the client."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Request:
+    """A single output sequence (a request with n > 1 becomes n of these). Mutated only by the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    """Token ids that finish the sequence once min_tokens exist: eos (unless ignore_eos) plus params.stop_token_ids."""
+    arrival_index: int
+    """Monotonic arrival counter: the FCFS order."""
+    priority: int = 0
+    """Lower runs first under the 'priority' policy."""
+    max_total_tokens: int
+    """Prompt + output may not exceed this (max_model_len)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose KV and state are in the cache; catches up to num_tokens."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_tokens_needed(self) -> int:
+        """Tokens whose KV may have to be cached before this request finishes (its last token never is)."""
+        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_total_tokens) - 1
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,66 @@
+"""What the scheduler hands the runner each step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deltaserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NewRequestData:
+    """Sent once, the first step a request is scheduled: what the runner keeps for sampling."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduledChunk:
+    """The tokens of one sequence to compute this step and where its cache lives."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_computed_tokens: int
+    """Tokens of this sequence already cached (the new ones follow them)."""
+    state_slot: int
+    block_ids: list[int]
+    """KV blocks covering at least num_computed_tokens + len(new_token_ids) tokens."""
+    reset_state: bool = False
+    """Zero the state slot first: the sequence (re)starts from token 0."""
+    sample: bool = True
+    """The chunk reaches the end of the known tokens, so a token is sampled after it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerOutput:
+    """One step's work."""
+
+    chunks: list[ScheduledChunk]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests finished or aborted since the last step: the runner drops their sampling state."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.new_token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One sampled token and, when requested, its log-probabilities."""
+
+    token_id: int
+    logprobs: object | None = None
+    """`runner.sampler.TokenLogprobs` (kept opaque here so the scheduler needs no torch)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunnerOutput:
+    """What one executed step produced: a token for every chunk with `sample` set."""
+
+    sampled: dict[str, SampledToken]
+    forward_seconds: float = 0.0
+    """Time spent in the model forward and sampling (for the overhead share)."""

@@ -1,0 +1,231 @@
+"""The phase-less scheduler: each step gives tokens to requests under a token budget, decodes first.
+
+Policy, in order, every step:
+1. Running requests that decode (one token) are scheduled first, then running prefill chunks, so a long prefill
+   never starves decodes. Each needs blocks for its tokens; when the pools are full, a victim that has not been
+   scheduled this step is preempted (the latest arrival under FCFS; the lowest priority, then latest, under
+   'priority') until the allocation fits. The victim may be the request itself.
+2. If nothing was preempted, waiting requests are admitted in queue order while the budget, `max_num_seqs` and
+   the pools allow: all or nothing on both pools (blocks for the first chunk and a state slot).
+
+Preemption is by recompute: the victim's blocks and slot are freed and its `num_computed_tokens` reset to 0; it
+goes back to the waiting queue ahead of later arrivals and re-prefills prompt + output so far. Its output is
+unchanged (greedy, or seeded sampling: the sampler's per-request generator is only consumed when a token is
+sampled). Progress is guaranteed because the oldest running request can always evict every other, and a request
+that could not fit an empty cache is rejected when added.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.config import SchedulerConfig
+from deltaserve.request import FinishReason, Request, RequestStatus
+from deltaserve.scheduler.output import (
+    NewRequestData,
+    RunnerOutput,
+    SampledToken,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from deltaserve.scheduler.queue import WaitingQueue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    """A token generated for a request in one step, and whether that finished it."""
+
+    request: Request
+    token: SampledToken
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; talks to memory only through the CacheManager."""
+
+    def __init__(self, cfg: SchedulerConfig, cache: CacheManager, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.cache, self.clock = cfg, cache, clock
+        self.waiting = WaitingQueue(cfg.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._unsent: set[str] = set()
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+        self._last_progress = clock()
+        self._stall_logged = False
+
+    # -- requests in and out -------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if its id is taken or it could never fit an empty cache."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        need = request.max_tokens_needed
+        if not self.cache.can_ever_fit(need):
+            raise ValueError(
+                f"request needs up to {need} tokens of KV ({self.cache.blocks_for(need)} blocks) but the cache has "
+                f"{self.cache.blocks.num_blocks} blocks of {self.cache.block_size}: lower max_tokens or raise "
+                "cache_memory"
+            )
+        self.requests[request.request_id] = request
+        self._unsent.add(request.request_id)
+        self.waiting.push(request)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish a request early (abort, or a stop string seen by the detokenizer); frees its cache."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request_id)
+        self._finish(request, reason)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
+        preempted = False
+        # Decodes first, then prefill chunks; stable, so arrival order holds within each group.
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, n, scheduled):
+                chunks.append(self._chunk(request, n))
+                scheduled.add(request.request_id)
+                budget -= n
+            else:
+                preempted = True
+        if not preempted:
+            budget = self._admit_waiting(budget, chunks, scheduled)
+        self._watch()
+        new = [self._new_data(self.requests[rid]) for rid in scheduled if rid in self._unsent]
+        self._unsent.difference_update(scheduled)
+        finished, self._finished_since_step = self._finished_since_step, []
+        return SchedulerOutput(chunks=chunks, new_requests=new, finished_request_ids=finished)
+
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[StepEvent]:
+        """Advance the computed counters, append sampled tokens, finish requests that hit a stop condition."""
+        events = []
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += len(chunk.new_token_ids)
+            self._last_progress, self._stall_logged = self.clock(), False
+            if not chunk.sample:
+                continue
+            token = result.sampled[chunk.request_id]
+            request.output_token_ids.append(token.token_id)
+            reason = self._stop_reason(request, token.token_id)
+            events.append(StepEvent(request, token, reason))
+            if reason is not None:
+                self._finish(request, reason)
+        return events
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+
+    def _allocate_or_preempt(self, request: Request, n: int, scheduled: set[str]) -> bool:
+        """Allocate for n more tokens, preempting unscheduled victims as needed. False if `request` was preempted."""
+        while not self.cache.allocate(request.request_id, request.num_computed_tokens + n):
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(candidates, key=self._victim_key)
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _victim_key(self, r: Request) -> tuple[int, int]:
+        return (r.priority if self.cfg.policy == "priority" else 0, r.arrival_index)
+
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], scheduled: set[str]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            request = self.waiting.peek()
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.cache.allocate(request.request_id, request.num_computed_tokens + n):
+                break  # all or nothing; keep queue order (no overtaking)
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, n))
+            scheduled.add(request.request_id)
+            budget -= n
+        return budget
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            new_token_ids=request.token_slice(start, start + n),
+            num_computed_tokens=start,
+            state_slot=self.cache.slot(request.request_id),
+            block_ids=list(self.cache.block_ids(request.request_id)),
+            reset_state=start == 0,
+            sample=start + n == request.num_tokens,
+        )
+
+    def _new_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                              params=request.params, stop_token_ids=request.stop_token_ids)
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        if token in request.stop_token_ids and len(request.output_token_ids) >= request.params.min_tokens:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= request.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.push(request)
+        self.num_preemptions += 1
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.cache.free(request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        del self.requests[request.request_id]
+        if request.request_id in self._unsent:
+            self._unsent.discard(request.request_id)
+        else:
+            self._finished_since_step.append(request.request_id)
+
+    def _watch(self) -> None:
+        """The watchdog: log an error when requests are pending but none progressed for watchdog_timeout_s."""
+        now = self.clock()
+        if not self.requests:
+            self._last_progress = now
+            return
+        stalled = now - self._last_progress
+        if stalled > self.cfg.watchdog_timeout_s and not self._stall_logged:
+            self._stall_logged = True
+            usage = self.cache.usage()
+            logger.error(
+                "no request progressed for %.0f s: %d running, %d waiting, %d/%d blocks and %d/%d slots free",
+                stalled, len(self.running), len(self.waiting), usage.num_free_blocks, usage.num_blocks,
+                usage.num_free_slots, usage.num_slots,
+            )
+
+    @property
+    def stalled(self) -> bool:
+        """True once the watchdog has fired (until a request progresses again)."""
+        return self._stall_logged
