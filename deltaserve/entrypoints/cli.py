@@ -1,4 +1,4 @@
-"""The `deltaserve` command: `generate` and `make-tiny` (more subcommands arrive with the server and benchmarks).
+"""The `deltaserve` command: `generate`, `make-tiny` and `bench offline` (the server arrives with its issue).
 
 This module is the composition root of the command line, so it may import any layer (lazily, per subcommand).
 """
@@ -11,10 +11,15 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from deltaserve.config import CacheConfig, SchedulerConfig
     from deltaserve.entrypoints.llm import LLM
     from deltaserve.sampling_params import SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype)
+    engine_args = {f.name: getattr(args, f.name) for cls in (CacheConfig, SchedulerConfig)
+                   for f in dataclasses.fields(cls)}
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     out = llm.generate(args.prompt, params)[0].outputs[0]
@@ -33,6 +38,8 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deltaserve.bench import offline
+    from deltaserve.config import CacheConfig, SchedulerConfig
     from deltaserve.models.tiny import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
 
@@ -48,12 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    engine = gen.add_argument_group("engine (help generated from the config dataclasses)")
+    add_dataclass_args(engine, CacheConfig)
+    add_dataclass_args(engine, SchedulerConfig)
     gen.set_defaults(func=_generate)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Kimi Linear checkpoint (no network needed)")
     tiny.add_argument("out_dir", help="output directory")
     add_dataclass_args(tiny, TinySpec, aliases={"top_k": "top-k"})
     tiny.set_defaults(func=_make_tiny)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    offline.add_parser(bench_sub)
     return parser
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from deltaserve.config import KDAConfig
 from deltaserve.layers.forward_batch import ForwardBatch, KDALayerCache
-from deltaserve.layers.linear import Linear, NormWeight
+from deltaserve.layers.linear import FusedLinear, Linear, NormWeight
 from deltaserve.ops.kda import kda_decode, kda_gate, kda_prefill
 from deltaserve.ops.norm import gated_rms_norm
 from deltaserve.ops.short_conv import short_conv_decode, short_conv_prefill
@@ -20,38 +20,37 @@ class KDAttention(nn.Module):
         super().__init__()
         self.cfg, self.eps, self.layer_id = cfg, rms_norm_eps, layer_id
         p, dh, h = cfg.proj_dim, cfg.head_dim, cfg.num_heads
-        self.q_proj = Linear(hidden_size, p, dtype)
-        self.k_proj = Linear(hidden_size, p, dtype)
-        self.v_proj = Linear(hidden_size, p, dtype)
+        # Every projection that reads x is one GEMM: q, k, v, the decay-gate input, beta and the output gate.
+        gate = [("g_proj", p)] if cfg.use_full_rank_gate else [("g_a_proj", dh)]
+        self.in_proj = FusedLinear(
+            hidden_size, [("q_proj", p), ("k_proj", p), ("v_proj", p), ("f_a_proj", dh), ("b_proj", h), *gate], dtype
+        )
         # Kept as three checkpoint tensors [P, 1, K]; concatenated per step (tiny) so conv state is one window.
         self.q_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=dtype), requires_grad=False)
         self.k_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=dtype), requires_grad=False)
         self.v_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=dtype), requires_grad=False)
-        self.f_a_proj = Linear(hidden_size, dh, dtype)
         self.f_b_proj = Linear(dh, p, dtype)
         # The decay-gate parameters stay fp32 whatever the model dtype (they feed exp/softplus).
         self.A_log = nn.Parameter(torch.empty(1, 1, h, 1, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(p, dtype=torch.float32), requires_grad=False)
-        self.b_proj = Linear(hidden_size, h, dtype)
-        if cfg.use_full_rank_gate:
-            self.g_proj = Linear(hidden_size, p, dtype)
-        else:
-            self.g_a_proj = Linear(hidden_size, dh, dtype)
+        if not cfg.use_full_rank_gate:
             self.g_b_proj = Linear(dh, p, dtype)
         self.o_norm = NormWeight(dh, dtype)
         self.o_proj = Linear(p, hidden_size, dtype)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named = {name: t for name, t in self.named_parameters()}
+        named = {name: t for name, t in self.named_parameters() if not name.startswith("in_proj.")}
         for conv in ("q_conv1d", "k_conv1d", "v_conv1d"):
             named[f"{conv}.weight"] = named.pop(conv)
+        named.update(self.in_proj.checkpoint_tensors())
         return named
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
         """x: [T, d] (after input_layernorm) -> [T, d]."""
         cfg, nd = self.cfg, batch.num_decodes
         t = x.shape[0]
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+        *qkv, f_a, b, gate = self.in_proj(x)
+        mixed = torch.cat(qkv, dim=-1)  # [T, 3P]
         conv_w = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d]).squeeze(1)  # [3P, K]
         parts = []
         if nd:
@@ -64,9 +63,9 @@ class KDAttention(nn.Module):
             )
         mixed = parts[0] if len(parts) == 1 else torch.cat(parts)
         q, k, v = (m.reshape(t, cfg.num_heads, cfg.head_dim) for m in mixed.split(cfg.proj_dim, dim=-1))
-        f = self.f_b_proj(self.f_a_proj(x)).view(t, cfg.num_heads, cfg.head_dim)
+        f = self.f_b_proj(f_a).view(t, cfg.num_heads, cfg.head_dim)
         g = kda_gate(f, self.A_log, self.dt_bias, cfg.gate_lower_bound)  # [T, H, Dh] fp32
-        beta = torch.sigmoid(self.b_proj(x)).float()  # [T, H]
+        beta = torch.sigmoid(b).float()  # [T, H]
         outs = []
         if nd:
             idx = batch.state_indices[:nd]
@@ -80,6 +79,7 @@ class KDAttention(nn.Module):
             if batch.checkpoint_positions is not None:
                 batch.checkpoints[self.layer_id] = ckpts
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, Dh]
-        gate = self.g_proj(x) if cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        if not cfg.use_full_rank_gate:
+            gate = self.g_b_proj(gate)
         o = gated_rms_norm(o, gate.view(t, cfg.num_heads, cfg.head_dim), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(t, cfg.proj_dim))

@@ -34,3 +34,24 @@ def checkpoint_tensors(module: nn.Module, prefix: str = "") -> dict[str, torch.T
     named = dict(module.named_parameters(prefix=prefix.rstrip(".")))
     named.update(module.named_buffers(prefix=prefix.rstrip(".")))
     return named
+
+
+class FusedLinear(nn.Module):
+    """Several bias-free projections of the same input as one GEMM; each loads from its own checkpoint tensor.
+
+    `forward` returns the outputs split in the order given. Fusing matters most for decode, where a step is a
+    few tokens and per-GEMM overhead dominates.
+    """
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.names = [name for name, _ in parts]
+        self.sizes = [size for _, size in parts]
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features, dtype=dtype), requires_grad=False)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """`{name}.weight` -> its row slice of the fused weight."""
+        return {f"{name}.weight": part for name, part in zip(self.names, self.weight.split(self.sizes), strict=True)}
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.sizes, dim=-1)

@@ -7,7 +7,7 @@ from torch import nn
 
 from deltaserve.config import MLAConfig
 from deltaserve.layers.forward_batch import ForwardBatch, MLALayerCache
-from deltaserve.layers.linear import Linear, NormWeight
+from deltaserve.layers.linear import FusedLinear, Linear, NormWeight
 from deltaserve.ops.mla import mla_decode, mla_prefill, mla_write_cache
 from deltaserve.ops.norm import rms_norm
 
@@ -22,13 +22,12 @@ class MLAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         q_out = cfg.num_heads * cfg.qk_head_dim
-        if cfg.q_lora_rank is None:
-            self.q_proj = Linear(hidden_size, q_out, dtype)
-        else:
-            self.q_a_proj = Linear(hidden_size, cfg.q_lora_rank, dtype)
+        # The query projection (or its LoRA down-projection) and the latent projection are one GEMM.
+        q_part = ("q_proj", q_out) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank)
+        self.in_proj = FusedLinear(hidden_size, [q_part, ("kv_a_proj_with_mqa", cfg.cache_row_width)], dtype)
+        if cfg.q_lora_rank is not None:
             self.q_a_layernorm = NormWeight(cfg.q_lora_rank, dtype)
             self.q_b_proj = Linear(cfg.q_lora_rank, q_out, dtype)
-        self.kv_a_proj_with_mqa = Linear(hidden_size, cfg.cache_row_width, dtype)
         self.kv_a_layernorm = NormWeight(cfg.kv_lora_rank, dtype)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
         if cfg.use_output_gate:
@@ -37,17 +36,17 @@ class MLAttention(nn.Module):
         self.scale = cfg.qk_head_dim**-0.5
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.named_parameters())
+        named = {name: t for name, t in self.named_parameters() if not name.startswith("in_proj.")}
+        named.update(self.in_proj.checkpoint_tensors())
+        return named
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         """x: [T, d] (after input_layernorm) -> [T, d]."""
         cfg, nd, t = self.cfg, batch.num_decodes, x.shape[0]
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LATENT_NORM_EPS))
-        q = q.view(t, cfg.num_heads, cfg.qk_head_dim)
-        ckv = self.kv_a_proj_with_mqa(x)
+        q, ckv = self.in_proj(x)
+        if cfg.q_lora_rank is not None:
+            q = self.q_b_proj(rms_norm(q, self.q_a_layernorm.weight, LATENT_NORM_EPS))
+        q = q.reshape(t, cfg.num_heads, cfg.qk_head_dim)
         c = rms_norm(ckv[:, : cfg.kv_lora_rank], self.kv_a_layernorm.weight, LATENT_NORM_EPS)
         mla_write_cache(torch.cat([c, ckv[:, cfg.kv_lora_rank :]], dim=-1), cache.kv, batch.slot_mapping)
         dims = dict(

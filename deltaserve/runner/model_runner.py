@@ -34,12 +34,14 @@ class ModelRunner:
             model.cache_specs(), num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device=self.device
         )
         self._requests: dict[str, _RequestState] = {}
+        self.last_forward_seconds = 0.0
+        """Wall time of the model forward (and LM head) in the last step: the rest of a step is overhead."""
 
     # -- the engine's entry point --------------------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one scheduled step; returns a sampled token for every chunk with `sample` set."""
-        start = time.perf_counter()
+        self.last_forward_seconds = 0.0
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
         for data in out.new_requests:
@@ -61,7 +63,7 @@ class ModelRunner:
                 for c, s, tok, lp in zip(chunks, states, result.token_ids, result.logprobs, strict=True):
                     s.output_token_ids.append(tok)
                     sampled[c.request_id] = SampledToken(tok, lp)
-        return RunnerOutput(sampled=sampled, forward_seconds=time.perf_counter() - start)
+        return RunnerOutput(sampled=sampled, forward_seconds=self.last_forward_seconds)
 
     # -- the model step ------------------------------------------------------------------------------------------
 
@@ -73,13 +75,16 @@ class ModelRunner:
             if c.reset_state:
                 self.reset_slot(c.state_slot)
         ids, batch, order = self.build_batch(chunks)
+        start = time.perf_counter()
         hidden = self.model(ids, batch, self.caches)
         last = batch.cu_seqlens[1:] - 1
         inverse = torch.empty(len(order), dtype=torch.int64)
         inverse[torch.tensor(order)] = torch.arange(len(order))  # original index -> row in the batch
         wanted = [i for i, c in enumerate(chunks) if c.sample or not only_sampled]
         rows = last[inverse[torch.tensor(wanted, dtype=torch.int64)].to(last.device)]
-        return self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[rows])
+        self.last_forward_seconds = time.perf_counter() - start
+        return logits
 
     def build_batch(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Flatten `chunks` (decodes first). Returns input ids [T], the batch, and the order used."""

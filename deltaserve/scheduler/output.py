@@ -63,4 +63,4 @@ class RunnerOutput:
 
     sampled: dict[str, SampledToken]
     forward_seconds: float = 0.0
-    """Time spent in the model forward and sampling (for the overhead share)."""
+    """Time spent in the model forward and LM head (the rest of a step is scheduling/batching/sampling overhead)."""

@@ -9,7 +9,7 @@ from transformers import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearExperts, KimiLinearTopkRouter
 
 from deltaserve.ops.activation import silu_and_mul
-from deltaserve.ops.moe import moe_experts, moe_route
+from deltaserve.ops.moe.ref import moe_experts, moe_route
 
 HIDDEN, INTER = 40, 12
 
@@ -205,3 +205,24 @@ def test_silu_and_mul() -> None:
     assert_close("silu_and_mul", ref, out, 1e-6)
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(torch.zeros(2, 7))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_moe_experts_dense_path_matches_reference(num_tokens, dtype):
+    """The dense fast path equals the grouped reference, and the dispatcher picks it only where it claims to win."""
+    from deltaserve.ops import moe as dispatch
+    from deltaserve.ops.moe import dense
+
+    g = torch.Generator().manual_seed(num_tokens)
+    e, k, d, i = 8, 2, 40, 24
+    x = torch.randn(num_tokens, d, generator=g, dtype=dtype)
+    w13 = torch.randn(e, 2 * i, d, generator=g, dtype=dtype) / d**0.5
+    w2 = torch.randn(e, d, i, generator=g, dtype=dtype) / i**0.5
+    weights, ids = moe_route(torch.randn(num_tokens, e, generator=g), None, top_k=k, num_expert_group=1,
+                             topk_group=1, renormalize=True, routed_scaling_factor=2.0)
+    ref = moe_experts(x, w13, w2, weights, ids)
+    out = dense.moe_experts_dense(x, w13, w2, weights, ids)
+    assert_close("dense vs grouped", ref, out, 1e-6 if dtype == torch.float32 else 1e-12)
+    assert torch.equal(dispatch.moe_experts(x, w13, w2, weights, ids), out)  # these shapes take the dense path
+    assert not dense.supports(num_tokens, 256, 8) and not dense.supports(4096, 8, 2)

@@ -71,10 +71,12 @@ def kda_decode(
     """
     cdt = _compute_dtype(q, state_pool)
     qn, kn = _qk_norm(q, k, cdt)
-    S = state_pool[state_indices].to(cdt) * g.to(cdt).exp().unsqueeze(-1)  # [N, H, K, V]
+    idx = state_indices.to(device=state_pool.device, dtype=torch.long)
+    S = state_pool.index_select(0, idx).to(cdt)  # [N, H, K, V], a private copy updated in place below
+    S.mul_(g.to(cdt).exp().unsqueeze(-1))
     delta = beta.to(cdt).unsqueeze(-1) * (v.to(cdt) - (kn.unsqueeze(-2) @ S).squeeze(-2))  # [N, H, V]
-    S = S + kn.unsqueeze(-1) * delta.unsqueeze(-2)
-    state_pool[state_indices] = S.to(state_pool.dtype)
+    S.add_(kn.unsqueeze(-1) * delta.unsqueeze(-2))
+    state_pool.index_copy_(0, idx, S.to(state_pool.dtype))
     return (qn.unsqueeze(-2) @ S).squeeze(-2).to(q.dtype)
 
 

@@ -25,14 +25,15 @@ def mla_write_cache(latent: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> N
 def _gather_context(kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor, num_positions: int) -> Tensor:
     """``[N, P, R+Dr]`` cache rows of positions ``0..P-1`` of each sequence, zero past ``context_lens``.
 
-    Zeroing matters: unwritten cache rows may hold NaN/inf, and ``0 * NaN`` would leak through masked probabilities.
+    Gathers whole blocks (one index op over block ids, contiguous copies) rather than single rows. Zeroing matters:
+    unwritten cache rows may hold NaN/inf, and ``0 * NaN`` would leak through masked probabilities.
     """
-    block_size = kv_cache.shape[1]
-    pos = torch.arange(num_positions, device=kv_cache.device)
-    blocks = block_tables.to(device=kv_cache.device, dtype=torch.long)[:, pos // block_size]  # [N, P]
-    rows = kv_cache.view(-1, kv_cache.shape[-1])[blocks * block_size + pos % block_size]
-    valid = pos[None, :] < context_lens[:, None]  # [N, P]
-    return rows.masked_fill(~valid[..., None], 0)
+    num_seqs, block_size = block_tables.shape[0], kv_cache.shape[1]
+    num_blocks = -(-num_positions // block_size)
+    table = block_tables.to(device=kv_cache.device, dtype=torch.long)[:, :num_blocks]  # [N, B]
+    rows = kv_cache[table].view(num_seqs, num_blocks * block_size, kv_cache.shape[-1])[:, :num_positions]
+    valid = torch.arange(num_positions, device=kv_cache.device)[None, :] < context_lens[:, None]  # [N, P]
+    return rows.masked_fill_(~valid[..., None], 0)
 
 
 def _split_kv_b(kv_b_weight: Tensor, qk_nope_head_dim: int, v_head_dim: int) -> tuple[Tensor, Tensor]:

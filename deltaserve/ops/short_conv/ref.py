@@ -111,9 +111,13 @@ def short_conv_decode(
     Returns:
         ``[N, C]`` in ``x.dtype``; same numerics as :func:`short_conv_prefill`.
     """
-    slots = state_indices.to(device=x.device, dtype=torch.long)
-    windows = conv_state_pool[slots]  # [N, C, W-1]
+    slots = state_indices.to(device=conv_state_pool.device, dtype=torch.long)
+    windows = conv_state_pool.index_select(0, slots)  # [N, C, W-1]
     taps = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [N, C, W]
     out = _activate(_weighted_sum(taps, weight), activation)
-    conv_state_pool[slots] = torch.cat([windows, x.to(conv_state_pool.dtype)[:, :, None]], dim=-1)[:, :, 1:]
+    if conv_state_pool.dtype == weight.dtype:
+        new_windows = taps[:, :, 1:]
+    else:  # keep the pool's own precision (a narrower weight dtype must not round the stored inputs)
+        new_windows = torch.cat([windows, x.to(conv_state_pool.dtype)[:, :, None]], dim=-1)[:, :, 1:]
+    conv_state_pool.index_copy_(0, slots, new_windows.contiguous())
     return out.to(x.dtype)

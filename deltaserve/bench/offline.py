@@ -1,0 +1,132 @@
+"""`deltaserve bench offline`: engine throughput without HTTP, deltaserve vs transformers on the same checkpoint.
+
+Both sides get the same random prompts (fixed input length) and must produce exactly `output_len` tokens each
+(eos ignored); transformers runs them as one batch through `generate` (the prompts have equal lengths, so no
+padding is needed). Prints output tokens/s of each, their ratio, and the share of deltaserve's step time spent
+outside the model forward (scheduling, batch building, sampling, detokenizing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OfflineBenchArgs:
+    """Workload of the offline benchmark."""
+
+    model: str | None = None
+    """Checkpoint directory (default: write the default tiny checkpoint to a temporary directory)."""
+    num_prompts: int = 32
+    """Concurrent requests."""
+    input_len: int = 256
+    """Prompt tokens per request."""
+    output_len: int = 128
+    """Generated tokens per request."""
+    dtype: str = "float32"
+    """'float32' or 'bfloat16' for both engines."""
+    seed: int = 0
+    """Seed of the random prompts."""
+    baseline: bool = True
+    """Also run transformers' generate on the same prompts and print the ratio."""
+    max_num_batched_tokens: int = 2048
+    """deltaserve's per-step token budget."""
+    result_file: str | None = None
+    """Write the results as JSON here."""
+
+
+def random_prompts(vocab: int, num: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 32, (num, length), generator=gen).tolist()  # below the special tokens
+
+
+def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]]) -> dict[str, float]:
+    from deltaserve.entrypoints.llm import LLM
+    from deltaserve.sampling_params import SamplingParams
+
+    llm = LLM(model=model, dtype=args.dtype, max_num_seqs=max(64, args.num_prompts),
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([prompts[0][:16]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+    stats_before = (llm.engine.stats.total_seconds, llm.engine.stats.forward_seconds)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    total = llm.engine.stats.total_seconds - stats_before[0]
+    forward = llm.engine.stats.forward_seconds - stats_before[1]
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed,
+            "engine_overhead_share": 1 - forward / total, "frontend_share": 1 - total / elapsed}
+
+
+def run_transformers(args: OfflineBenchArgs, model: str, prompts: list[list[int]]) -> dict[str, float]:
+    import torch
+
+    try:
+        import transformers
+    except ImportError as exc:  # a test-only dependency
+        raise SystemExit("the baseline needs transformers: pip install 'deltaserve[test]'") from exc
+    hf = transformers.KimiLinearForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype)).eval()
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor(prompts)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.output_len,
+                  min_new_tokens=args.output_len, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids[:1, :16], **{**kwargs, "attention_mask": torch.ones(1, 16, dtype=torch.long),
+                                     "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        start = time.perf_counter()
+        out = hf.generate(ids, **kwargs)
+        elapsed = time.perf_counter() - start
+    num_out = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed}
+
+
+def run(args: OfflineBenchArgs) -> dict:
+    from deltaserve.config import ModelConfig
+    from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
+
+    model = args.model or str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="ds-bench-"), TinySpec()))
+    vocab = ModelConfig.from_pretrained(model).vocab_size
+    prompts = random_prompts(vocab, args.num_prompts, args.input_len, args.seed)
+    print(f"offline benchmark: {args.num_prompts} requests x {args.input_len} in / {args.output_len} out, "
+          f"{args.dtype}, checkpoint {model}", flush=True)
+    print("running deltaserve ...", flush=True)
+    ours = run_deltaserve(args, model, prompts)
+    result = {"config": asdict(args), "deltaserve": ours}
+    print(f"deltaserve:   {ours['output_throughput']:8.1f} output tok/s ({ours['seconds']:.2f} s); "
+          f"{ours['engine_overhead_share']:.1%} of engine step time outside the model forward, "
+          f"{ours['frontend_share']:.1%} of wall time in the frontend", flush=True)
+    if args.baseline:
+        print("running transformers generate (one batch) ...", flush=True)
+        hf = run_transformers(args, model, prompts)
+        result["transformers"] = hf
+        result["speedup"] = ours["output_throughput"] / hf["output_throughput"]
+        print(f"transformers: {hf['output_throughput']:8.1f} output tok/s ({hf['seconds']:.2f} s)")
+        print(f"speedup (deltaserve / transformers): {result['speedup']:.2f}x")
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from deltaserve.utils.cli_args import add_dataclass_args
+
+    p = sub.add_parser("offline", help="engine throughput without HTTP, against transformers")
+    add_dataclass_args(p, OfflineBenchArgs)
+    p.set_defaults(func=lambda a: (run(_args(a)), 0)[1])
+
+
+def _args(ns: argparse.Namespace) -> OfflineBenchArgs:
+    from deltaserve.utils.cli_args import dataclass_from_args
+
+    return dataclass_from_args(OfflineBenchArgs, ns)
