@@ -107,3 +107,14 @@ def test_bad_dtype_and_missing_model():
         LLM()
     with pytest.raises(ValueError, match="dtype"):
         LLM(model="/nonexistent", dtype="float16")
+
+
+def test_bench_offline_runs_and_writes_json(tiny_dir, tmp_path):
+    """`deltaserve bench offline` on a small workload (no baseline) reports throughput and writes its JSON."""
+    result = tmp_path / "r.json"
+    res = run_cli("bench", "offline", "--model", str(tiny_dir("base")), "--num-prompts", "3", "--input-len", "9",
+                  "--output-len", "4", "--no-baseline", "--result-file", str(result))
+    assert res.returncode == 0, res.stderr
+    data = json.loads(result.read_text())
+    assert data["deltaserve"]["output_tokens"] == 12 and data["deltaserve"]["output_throughput"] > 0
+    assert data["config"]["num_prompts"] == 3
