@@ -27,3 +27,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (KV blocks and a KDA state checkpoint) instead of computed."""

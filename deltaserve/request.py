@@ -45,6 +45,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None
+    """Prompt tokens served from the prefix cache at first admission (None until admitted)."""
 
     @property
     def num_tokens(self) -> int:

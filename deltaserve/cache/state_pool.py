@@ -1,33 +1,65 @@
-"""The KDA state slot pool: one slot (recurrent state + conv window in every KDA layer) per running sequence."""
+"""The KDA state slot pool: running slots (one per running sequence) and checkpoint slots (prefix cache).
+
+Both kinds share one range of slot ids (one set of device tensors), each kind under its own cap, so a finished
+sequence's running slot can become a checkpoint without copying the state.
+"""
 
 from __future__ import annotations
 
+RUNNING = "running"
+CHECKPOINT = "checkpoint"
+
 
 class StatePool:
-    """Slot ids 0..num_slots-1, handed out lowest first so hot slots stay packed."""
+    """Slot ids 0..num_running + num_checkpoints - 1, handed out lowest first."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, num_checkpoint_slots: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # a stack: pop() gives the lowest id
-        self._used: set[int] = set()
+        self.num_checkpoint_slots = num_checkpoint_slots
+        self._free = list(range(num_slots + num_checkpoint_slots - 1, -1, -1))  # a stack: pop() gives the lowest
+        self._kind: dict[int, str] = {}
+        self._count = {RUNNING: 0, CHECKPOINT: 0}
+        self._cap = {RUNNING: num_slots, CHECKPOINT: num_checkpoint_slots}
+
+    @property
+    def num_total(self) -> int:
+        return self.num_slots + self.num_checkpoint_slots
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Running slots that can be allocated now."""
+        return self._cap[RUNNING] - self._count[RUNNING]
 
-    def allocate(self) -> int | None:
-        """A free slot id, or None when all are in use. The caller's runner zeroes it before first use."""
-        if not self._free:
+    def num_free_of(self, kind: str) -> int:
+        return self._cap[kind] - self._count[kind]
+
+    def allocate(self, kind: str = RUNNING) -> int | None:
+        """A free slot id of `kind`, or None at that kind's cap. The runner zeroes or overwrites it before use."""
+        if self._count[kind] >= self._cap[kind]:
             return None
         slot = self._free.pop()
-        self._used.add(slot)
+        self._kind[slot] = kind
+        self._count[kind] += 1
         return slot
 
+    def convert(self, slot: int, kind: str) -> bool:
+        """Re-label a used slot as `kind` (e.g. running -> checkpoint); False at that kind's cap."""
+        old = self._kind[slot]
+        if old == kind:
+            return True
+        if self._count[kind] >= self._cap[kind]:
+            return False
+        self._count[old] -= 1
+        self._count[kind] += 1
+        self._kind[slot] = kind
+        return True
+
     def free(self, slot: int) -> None:
-        if slot not in self._used:
+        kind = self._kind.pop(slot, None)
+        if kind is None:
             raise RuntimeError(f"state slot {slot} freed but not in use")
-        self._used.remove(slot)
+        self._count[kind] -= 1
         self._free.append(slot)
         self._free.sort(reverse=True)

@@ -36,10 +36,23 @@ class CacheConfig:
     """Override the planner: exactly this many KV blocks."""
     num_state_slots: int | None = None
     """Override the planner: exactly this many KDA state slots (concurrent sequences)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks and KDA state checkpoints across requests that share a prompt prefix."""
+    state_checkpoint_interval: int = 512
+    """During a long prefill, save a KDA state checkpoint every this many tokens (a multiple of block_size)."""
+    checkpoint_memory: str = "0.25"
+    """Memory for prefix-cache state checkpoints: bytes ('512MiB') or a fraction of cache_memory ('0.25')."""
+    num_checkpoint_slots: int | None = None
+    """Override: exactly this many state checkpoint slots (0 keeps no checkpoints)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.state_checkpoint_interval < 1 or self.state_checkpoint_interval % self.block_size:
+            raise ValueError(f"state_checkpoint_interval={self.state_checkpoint_interval} must be a positive "
+                             f"multiple of block_size={self.block_size}")
+        if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
+            raise ValueError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
         for name in ("num_blocks", "num_state_slots"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -12,6 +12,7 @@ import torch
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.planner import plan_cache
+from deltaserve.cache.spec import StateCacheSpec
 from deltaserve.config import EngineConfig, ModelConfig, parse_memory
 from deltaserve.models.loader import load_model
 from deltaserve.request import FinishReason, Request
@@ -64,15 +65,27 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         device = next(model.parameters()).device
         cc = config.cache
+        specs = model.cache_specs()
+        budget = parse_memory(cc.cache_memory, available_memory_bytes(device))
+        per_slot = sum(s.bytes_per_slot for s in specs if isinstance(s, StateCacheSpec))
+        num_ckpt = 0
+        if cc.enable_prefix_caching and per_slot:
+            num_ckpt = cc.num_checkpoint_slots
+            if num_ckpt is None:
+                num_ckpt = parse_memory(cc.checkpoint_memory, budget) // per_slot
+            logger.info("prefix cache: %d state checkpoint slots (%.1f MiB)", num_ckpt, num_ckpt * per_slot / 2**20)
         layout = plan_cache(
-            model.cache_specs(), budget_bytes=parse_memory(cc.cache_memory, available_memory_bytes(device)),
-            block_size=cc.block_size, max_num_seqs=config.scheduler.max_num_seqs, num_blocks=cc.num_blocks,
-            num_slots=cc.num_state_slots,
+            specs, budget_bytes=max(budget - num_ckpt * per_slot, 0), block_size=cc.block_size,
+            max_num_seqs=config.scheduler.max_num_seqs, num_blocks=cc.num_blocks, num_slots=cc.num_state_slots,
         )
-        self.cache = CacheManager(num_blocks=layout.num_blocks, num_slots=layout.num_slots, block_size=cc.block_size)
+        self.cache = CacheManager(
+            num_blocks=layout.num_blocks, num_slots=layout.num_slots, block_size=cc.block_size,
+            num_checkpoint_slots=num_ckpt, bytes_per_slot=per_slot, enable_prefix_caching=cc.enable_prefix_caching,
+            checkpoint_interval=cc.state_checkpoint_interval,
+        )
         self.scheduler = Scheduler(config.scheduler, self.cache)
         self.runner = ModelRunner(model, num_blocks=layout.num_blocks, block_size=cc.block_size,
-                                  num_slots=layout.num_slots)
+                                  num_slots=layout.num_slots + num_ckpt)
         self.stats = StepStats()
         self._arrivals = itertools.count()
         torch.manual_seed(config.seed)  # the shared generator of unseeded sampling
@@ -123,6 +136,7 @@ class EngineCore:
         self.stats.forward_seconds += result.forward_seconds
         return [
             EngineCoreOutput(request_id=e.request.request_id, new_token_ids=[e.token.token_id],
-                             logprobs=[e.token.logprobs], finish_reason=e.finish_reason)
+                             logprobs=[e.token.logprobs], finish_reason=e.finish_reason,
+                             num_cached_tokens=e.request.num_cached_tokens or 0)
             for e in events
         ]

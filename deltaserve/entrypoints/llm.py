@@ -29,6 +29,7 @@ class _Sequence:
 
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer
+    request: RequestOutput | None = None
     logprobs: list[Any] = field(default_factory=list)
 
 
@@ -124,8 +125,11 @@ class LLM:
                     raise
                 live[rid] = _Sequence(out, detok)
                 outputs.append(out)
-            results.append(RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                                         prompt_token_ids=ids, outputs=outputs, finished=False))
+            result = RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                                   prompt_token_ids=ids, outputs=outputs, finished=False)
+            for j in range(params.n):
+                live[request_id if params.n == 1 else f"{request_id}-{j}"].request = result
+            results.append(result)
         return results, live
 
     def _run(self, live: dict[str, _Sequence]) -> None:
@@ -137,6 +141,8 @@ class LLM:
                 raise RuntimeError("the engine made no progress for 10,000 steps (see the watchdog log)")
             for ev in events:
                 seq = live[ev.request_id]
+                if not seq.output.token_ids and seq.output.index == 0:
+                    seq.request.num_cached_tokens = ev.num_cached_tokens
                 seq.output.token_ids.extend(ev.new_token_ids)
                 seq.logprobs.extend(ev.logprobs)
                 update = seq.detokenizer.push(ev.new_token_ids)

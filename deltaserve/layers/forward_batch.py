@@ -5,7 +5,7 @@ Passed explicitly down the forward call (no global context). Built by the runner
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,10 +30,10 @@ class ForwardBatch:
     slot_mapping: torch.Tensor
     """[T] int64 flat KV cache row (block_id * block_size + offset) of each new token."""
     checkpoint_positions: tuple[tuple[int, ...], ...] | None = None
-    """Per prefill sequence (index i - num_decodes), positions within this step's tokens after which the KDA states
-    are wanted (prefix-cache checkpoints); None for none."""
-    checkpoints: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """Filled by KDA layers when `checkpoint_positions` is set: layer id -> per prefill sequence [n, H, Dk, Dv]."""
+    """Per prefill sequence (index i - num_decodes), positions within this step's tokens after which the KDA state
+    (recurrent state and conv window) is saved: prefix-cache checkpoints. None for none."""
+    checkpoint_slots: tuple[tuple[int, ...], ...] | None = None
+    """The state slots those checkpoints are written to, aligned with `checkpoint_positions`."""
 
     @property
     def num_decode_tokens(self) -> int:

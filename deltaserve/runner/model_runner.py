@@ -49,6 +49,7 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             self._requests[data.request_id] = _RequestState(data, gen)
         sampled: dict[str, SampledToken] = {}
+        self.apply_copies(out.block_copies, out.state_copies)
         if out.chunks:
             logits = self.execute_model(out.chunks, only_sampled=True)
             chunks = [c for c in out.chunks if c.sample]
@@ -88,7 +89,7 @@ class ModelRunner:
 
     def build_batch(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Flatten `chunks` (decodes first). Returns input ids [T], the batch, and the order used."""
-        is_decode = [len(c.new_token_ids) == 1 and c.num_computed_tokens > 0 for c in chunks]
+        is_decode = [len(c.new_token_ids) == 1 and c.num_computed_tokens > 0 and not c.checkpoints for c in chunks]
         order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
         ordered = [chunks[i] for i in order]
         lens = torch.tensor([len(c.new_token_ids) for c in ordered], dtype=torch.int64)
@@ -107,6 +108,8 @@ class ModelRunner:
         slot_mapping = block * self.block_size + positions % self.block_size
         ids = torch.tensor([t for c in ordered for t in c.new_token_ids], dtype=torch.int64)
         dev = self.device
+        prefills = ordered[sum(is_decode) :]
+        saving = any(c.checkpoints for c in prefills)
         batch = ForwardBatch(
             cu_seqlens=cu.to(dev),
             context_lens=(computed + lens).to(dev),
@@ -114,8 +117,23 @@ class ModelRunner:
             state_indices=torch.tensor([c.state_slot for c in ordered], dtype=torch.int64, device=dev),
             block_tables=tables.to(dev),
             slot_mapping=slot_mapping.to(dev),
+            checkpoint_positions=tuple(tuple(p for p, _ in c.checkpoints) for c in prefills) if saving else None,
+            checkpoint_slots=tuple(tuple(s for _, s in c.checkpoints) for c in prefills) if saving else None,
         )
         return ids.to(dev), batch, order
+
+    def apply_copies(
+        self, block_copies: Sequence[tuple[int, int, int]], state_copies: Sequence[tuple[int, int]]
+    ) -> None:
+        """Copy cached partial KV blocks and checkpoint states into the blocks and slots of requests that hit them."""
+        for cache in self.caches:
+            if isinstance(cache, KDALayerCache):
+                for src, dst in state_copies:
+                    cache.state[dst].copy_(cache.state[src])
+                    cache.conv[dst].copy_(cache.conv[src])
+            else:
+                for src, dst, rows in block_copies:
+                    cache.kv[dst, :rows].copy_(cache.kv[src, :rows])
 
     def reset_slot(self, slot: int) -> None:
         """Zero a KDA state slot (recurrent state and conv window) in every KDA layer."""

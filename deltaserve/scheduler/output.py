@@ -32,6 +32,8 @@ class ScheduledChunk:
     """Zero the state slot first: the sequence (re)starts from token 0."""
     sample: bool = True
     """The chunk reaches the end of the known tokens, so a token is sampled after it."""
+    checkpoints: tuple[tuple[int, int], ...] = ()
+    """(position within this chunk, checkpoint slot): save the KDA state after that many of its tokens."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,6 +44,10 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     """Requests finished or aborted since the last step: the runner drops their sampling state."""
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    """(src block, dst block, rows): copy the first rows of a cached partial block before the forward."""
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src slot, dst slot): copy a checkpoint's KDA state into a running slot before the forward."""
 
     @property
     def num_tokens(self) -> int:

@@ -116,16 +116,20 @@ class Scheduler:
         new = [self._new_data(self.requests[rid]) for rid in scheduled if rid in self._unsent]
         self._unsent.difference_update(scheduled)
         finished, self._finished_since_step = self._finished_since_step, []
-        return SchedulerOutput(chunks=chunks, new_requests=new, finished_request_ids=finished)
+        block_copies, state_copies = self.cache.take_copies()
+        return SchedulerOutput(chunks=chunks, new_requests=new, finished_request_ids=finished,
+                               block_copies=block_copies, state_copies=state_copies)
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[StepEvent]:
         """Advance the computed counters, append sampled tokens, finish requests that hit a stop condition."""
         events = []
+        self.cache.end_step()
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += len(chunk.new_token_ids)
+            self.cache.commit(request)
             self._last_progress, self._stall_logged = self.clock(), False
             if not chunk.sample:
                 continue
@@ -155,9 +159,16 @@ class Scheduler:
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], scheduled: set[str]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting.peek()
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.cache.allocate(request.request_id, request.num_computed_tokens + n):
+            hit = self.cache.match(request)
+            if self._inflight_prefix(request, hit.length):
+                break  # a running prefill is about to checkpoint more of this prompt: wait for it
+            n = min(request.num_tokens - hit.length, budget)
+            if not self.cache.allocate(request.request_id, hit.length + n, hit):
                 break  # all or nothing; keep queue order (no overtaking)
+            request.num_computed_tokens = hit.length
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.length
+                self.cache.record_query(request.num_prompt_tokens, hit.length)
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -165,6 +176,25 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= n
         return budget
+
+    def _inflight_prefix(self, request: Request, hit_length: int) -> bool:
+        """Whether a running request's prefill will soon checkpoint a shared prefix covering at least half of
+        what this prompt would otherwise compute (waiting for a small gain would only delay it)."""
+        if not self.cache.enable_prefix_caching:
+            return False
+        bs = self.cache.block_size
+        mine = self.cache.hashes(request, (request.num_prompt_tokens - 1) // bs)
+        for other in self.running:
+            if other.num_computed_tokens >= other.num_prompt_tokens:
+                continue
+            theirs = self.cache.hashes(other, other.num_prompt_tokens // bs)
+            shared = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                          min(len(mine), len(theirs)))
+            planned = self.cache.planned_positions(other)
+            gain_needed = hit_length + (request.num_prompt_tokens - hit_length) / 2
+            if any(gain_needed <= p <= shared * bs and p > other.num_computed_tokens for p in planned):
+                return True
+        return False
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -176,6 +206,7 @@ class Scheduler:
             block_ids=list(self.cache.block_ids(request.request_id)),
             reset_state=start == 0,
             sample=start + n == request.num_tokens,
+            checkpoints=tuple(self.cache.plan_checkpoints(request, start, start + n)),
         )
 
     def _new_data(self, request: Request) -> NewRequestData:
@@ -190,7 +221,7 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request) -> None:
-        self.cache.free(request.request_id)
+        self.cache.free(request)  # with prefix caching its state is kept as a checkpoint: resumption hits it
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -199,7 +230,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self.cache.free(request.request_id)
+        self.cache.free(request)  # with prefix caching: a checkpoint at its end, for the next turn of a chat
         if request in self.running:
             self.running.remove(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason

@@ -65,7 +65,7 @@ def test_chunked_prefill_equals_unchunked(path, prompts, alone, chunk):
 
 def test_heavy_preemption_gives_identical_outputs_and_no_leaks(path, prompts, alone):
     """A cache of 24 blocks x 16 tokens and 4 slots forces many preemptions; outputs are unchanged, nothing leaks."""
-    llm = LLM(model=path, num_blocks=24, num_state_slots=4, max_num_batched_tokens=64)
+    llm = LLM(model=path, num_blocks=24, num_state_slots=4, max_num_batched_tokens=64, enable_prefix_caching=False)
     out = token_ids(llm.generate(prompts, GREEDY))
     sched = llm.engine.scheduler
     assert sched.num_preemptions >= 3, sched.num_preemptions

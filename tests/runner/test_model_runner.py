@@ -112,36 +112,19 @@ def test_mixed_batch_equals_each_alone(model):
 
 
 def test_kda_checkpoints_equal_states_of_a_shorter_prefill(model):
-    """Intermediate KDA states requested through the batch equal the final states of a prefill that stops there."""
+    """Checkpoints saved inside one prefill (state and conv window) equal the slot of a prefill that stops there."""
     ids = prompt_ids(1024, 50, seed=4)
-    runner = ModelRunner(model, num_blocks=8, block_size=16, num_slots=2)
-    chunk = ScheduledChunk(
-        request_id="r", new_token_ids=ids, num_computed_tokens=0, state_slot=0, block_ids=list(range(4))
-    )
-    x, batch, _ = runner.build_batch([chunk])
-    batch = type(batch)(
-        **{
-            **{f: getattr(batch, f) for f in batch.__slots__ if f != "checkpoints"},
-            "checkpoint_positions": ((16, 32, 50),),
-        }
-    )
-    runner.reset_slot(0)
-    with torch.inference_mode():
-        model(x, batch, runner.caches)
-    for pos_index, pos in enumerate((16, 32, 50)):
+    runner = ModelRunner(model, num_blocks=8, block_size=16, num_slots=5)
+    positions = (16, 32, 37, 50)
+    chunk = ScheduledChunk(request_id="r", new_token_ids=ids, num_computed_tokens=0, state_slot=0,
+                           block_ids=list(range(4)), reset_state=True,
+                           checkpoints=tuple((p, 1 + i) for i, p in enumerate(positions)))
+    runner.execute_model([chunk])
+    for i, pos in enumerate(positions):
         short = ModelRunner(model, num_blocks=8, block_size=16, num_slots=1)
-        short.execute_model(
-            [
-                ScheduledChunk(
-                    request_id="r",
-                    new_token_ids=ids[:pos],
-                    num_computed_tokens=0,
-                    state_slot=0,
-                    block_ids=list(range(4)),
-                    reset_state=True,
-                )
-            ]
-        )
+        short.execute_model([ScheduledChunk(request_id="s", new_token_ids=ids[:pos], num_computed_tokens=0,
+                                            state_slot=0, block_ids=list(range(4)), reset_state=True)])
         for layer_id in model.config.kda_layer_ids:
-            got = batch.checkpoints[layer_id][0][pos_index]
-            assert relative_error(got, short.caches[layer_id].state[0]) < TOL[model.dtype]
+            ours, ref = runner.caches[layer_id], short.caches[layer_id]
+            assert relative_error(ours.state[1 + i], ref.state[0]) < TOL[model.dtype], (layer_id, pos)
+            assert relative_error(ours.conv[1 + i], ref.conv[0]) < TOL[model.dtype], (layer_id, pos)
