@@ -265,7 +265,9 @@ class CacheManager:
             held.pending = []
             self._commit(request, held)
             kept = self._keep_as_checkpoint(request, held, length)
-        self.blocks.free(held.blocks)
+        # Tail first: the end of a prefix becomes least recently used, so eviction shortens a cached chain from
+        # its end instead of breaking it at the start.
+        self.blocks.free(held.blocks[::-1])
         if not kept:
             self.slots.free(held.slot)
         self._hashes.pop(request.request_id, None)

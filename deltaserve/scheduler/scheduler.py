@@ -166,9 +166,9 @@ class Scheduler:
             if not self.cache.allocate(request.request_id, hit.length + n, hit):
                 break  # all or nothing; keep queue order (no overtaking)
             request.num_computed_tokens = hit.length
+            self.cache.record_query(request.num_tokens, hit.length)  # resumptions after preemption count too
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = hit.length
-                self.cache.record_query(request.num_prompt_tokens, hit.length)
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
