@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     engine = gen.add_argument_group("engine (help generated from the config dataclasses)")
-    add_dataclass_args(engine, CacheConfig)
+    add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
     add_dataclass_args(engine, SchedulerConfig)
     gen.set_defaults(func=_generate)
 

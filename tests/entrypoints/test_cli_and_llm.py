@@ -26,9 +26,11 @@ def test_make_tiny_then_generate(tmp_path):
     cfg = ModelConfig.from_pretrained(out)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.moe.num_experts, cfg.moe.top_k) == (4, 64, 6, 2)
     assert json.loads((out / "tiny_spec.json").read_text())["seed"] == 3
-    res = run_cli("generate", "--model", str(out), "--prompt", "hello world", "--max-tokens", "5", "--ignore-eos")
+    res = run_cli("generate", "--model", str(out), "--prompt", "hello world", "--max-tokens", "5", "--ignore-eos",
+                  "--no-prefix-caching", "--max-num-seqs", "4")
     assert res.returncode == 0, res.stderr
     assert "5 tokens, finish_reason=length" in res.stderr
+    assert "prefix cache" not in res.stderr  # no checkpoint slots were planned
 
 
 def test_generate_reports_bad_model_dir_cleanly(tmp_path):
