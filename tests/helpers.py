@@ -28,3 +28,14 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref|, rejecting NaN."""
     assert not torch.isnan(out).any(), "NaN in output"
     return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def hf_greedy(hf_model, ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy `generate` of exactly `num_tokens` tokens (eos ignored; an explicit all-ones attention
+    mask, since a pad id inside the prompt would otherwise be masked out)."""
+    hf_model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                do_sample=False, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids) :].tolist()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from tests.helpers import prompt_ids
+from tests.helpers import hf_greedy, prompt_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,18 +40,8 @@ def test_batch_equals_alone_and_transformers(path, prompts, alone):
     llm = LLM(model=path, max_num_batched_tokens=256)
     assert token_ids(llm.generate(prompts, GREEDY)) == alone
     hf = transformers.KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
     for p, ours in zip(prompts, alone, strict=True):
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=10,
-                min_new_tokens=10,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(p) :].tolist()
+        ref = hf_greedy(hf, p, 10)
         assert ours == ref, f"prompt of {len(p)} tokens"
 
 

@@ -7,7 +7,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.models.loader import load_model
-from tests.helpers import full_logits, prompt_ids, relative_error
+from tests.helpers import full_logits, hf_greedy, prompt_ids, relative_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,18 +43,7 @@ def test_greedy_continuation_matches_transformers_generate(tiny_dir, variant):
     path = tiny_dir(variant)
     llm = LLM(model=str(path), dtype="float32")
     ids = prompt_ids(llm.engine.model_config.vocab_size, 12, seed=11)
-    hf = hf_model(path)
-    hf.generation_config.eos_token_id = None
-    with torch.inference_mode():
-        ref = hf.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=32,
-            min_new_tokens=32,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(ids) :].tolist()
+    ref = hf_greedy(hf_model(path), ids, 32)
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ref
     assert len(set(ref)) > 3, "degenerate continuation: the test would not notice mistakes"
