@@ -38,7 +38,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltaserve.bench import offline, trace_replay
+    from deltaserve.bench import followup, offline, trace_replay
     from deltaserve.config import CacheConfig, SchedulerConfig
     from deltaserve.models.tiny import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline.add_parser(bench_sub)
-    trace_replay.add_parser(bench_sub)  # replay, followup
+    trace_replay.add_parser(bench_sub)
+    followup.add_parser(bench_sub)
     return parser
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltaserve.bench import followup
 from deltaserve.bench import trace_replay as tr
 from deltaserve.bench.trace_replay import TraceRequest
 
@@ -131,7 +132,7 @@ def test_replay_end_to_end(tiny_dir, tmp_path, capsys):
 
 def test_followup_end_to_end(tiny_dir, capsys):
     """The follow-up benchmark runs cold and warm and reports their TTFT ratio."""
-    res = tr.run_followup(tr.FollowupBenchArgs(model=str(tiny_dir("base")), prompt_len=96, output_len=2,
+    res = followup.run_followup(followup.FollowupBenchArgs(model=str(tiny_dir("base")), prompt_len=96, output_len=2,
                                                state_checkpoint_interval=32, cache_memory="64MiB"))
     assert res["num_shared_tokens"] == 86 and res["reusable_tokens"] == 64
     assert res["ttft_ratio"] > 0 and res["cold"]["cached_tokens"] == 0
@@ -148,4 +149,4 @@ def test_cli_registers_replay_and_followup():
     assert dataclass_from_args(tr.ReplayBenchArgs, ns) == tr.ReplayBenchArgs(num_requests=3, baseline=False,
                                                                             select="head")
     ns = build_parser().parse_args(["bench", "followup", "--shared", "0.8"])
-    assert dataclass_from_args(tr.FollowupBenchArgs, ns).shared == 0.8
+    assert dataclass_from_args(followup.FollowupBenchArgs, ns).shared == 0.8

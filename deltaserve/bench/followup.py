@@ -1,0 +1,102 @@
+"""`deltaserve bench followup`: TTFT of a request that shares most of an already cached prompt, warm vs cold."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from deltaserve.bench.trace_replay import _model_and_limits, _print_table, make_llm, prefix_stats
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FollowupBenchArgs:
+    """Workload of the follow-up benchmark."""
+
+    model: str | None = None
+    """Checkpoint directory (default: write the default tiny checkpoint to a temporary directory)."""
+    prompt_len: int = 4000
+    """Tokens of the first prompt and of the follow-up (prompt_len + output_len must fit max_model_len)."""
+    shared: float = 0.9
+    """Fraction of the first prompt that the follow-up repeats; the rest of it is a new tail."""
+    output_len: int = 8
+    """Generated tokens per request."""
+    state_checkpoint_interval: int = 256
+    """Engine KDA checkpoint interval: the follow-up can resume from the last checkpoint inside the shared part."""
+    block_size: int = 16
+    """Engine KV block size (tokens)."""
+    cache_memory: str = "2GiB"
+    """Engine cache memory."""
+    max_num_batched_tokens: int = 2048
+    """Engine per-step token budget."""
+    dtype: str = "float32"
+    """'float32' or 'bfloat16'."""
+    seed: int = 0
+    """Seed of the random prompts."""
+    target: float = 0.15
+    """Pass when warm TTFT / cold TTFT is at most this."""
+    result_file: str | None = None
+    """Write the results as JSON here."""
+
+
+def _time_request(llm, request_id: str, prompt: list[int], output_len: int) -> dict[str, float]:
+    """Run one request alone to completion; TTFT and E2EL in seconds, cached tokens from its first output."""
+    from deltaserve.sampling_params import SamplingParams
+
+    eng = llm.engine
+    start = time.perf_counter()
+    eng.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    out: dict[str, float] = {}
+    while eng.has_unfinished_requests():
+        for ev in eng.step():
+            if "ttft_s" not in out:
+                out.update(ttft_s=time.perf_counter() - start, cached_tokens=getattr(ev, "num_cached_tokens", 0))
+    out["e2el_s"] = time.perf_counter() - start
+    return out
+
+
+def run_followup(args: FollowupBenchArgs) -> dict:
+    model, vocab, max_model_len = _model_and_limits(args.model)
+    if args.prompt_len + args.output_len > max_model_len or not 0 < args.shared < 1:
+        raise ValueError(f"need prompt_len + output_len <= max_model_len ({max_model_len}) and 0 < shared < 1")
+    rng = random.Random(args.seed)
+    num_shared = int(args.prompt_len * args.shared)
+    first = [rng.randrange(vocab - 32) for _ in range(args.prompt_len)]
+    followup = first[:num_shared] + [rng.randrange(vocab - 32) for _ in range(args.prompt_len - num_shared)]
+    reusable = num_shared // args.state_checkpoint_interval * args.state_checkpoint_interval
+    print(f"follow-up benchmark: {args.prompt_len}-token prompt, follow-up shares {num_shared} tokens "
+          f"(last checkpoint inside: {reusable}), {args.output_len} output tokens, checkpoint {model}", flush=True)
+    engine_args = dict(dtype=args.dtype, block_size=args.block_size, cache_memory=args.cache_memory,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    print("cold: follow-up alone on a fresh engine ...", flush=True)
+    llm = make_llm(model, caching=True, checkpoint_interval=args.state_checkpoint_interval, **engine_args)
+    cold = _time_request(llm, "followup", followup, args.output_len)
+    del llm
+    print("warm: first prompt, then the follow-up ...", flush=True)
+    llm = make_llm(model, caching=True, checkpoint_interval=args.state_checkpoint_interval, **engine_args)
+    first_run = _time_request(llm, "first", first, args.output_len)
+    warm = _time_request(llm, "followup", followup, args.output_len)
+    ratio = warm["ttft_s"] / cold["ttft_s"]
+    result = {"config": asdict(args), "num_shared_tokens": num_shared, "reusable_tokens": reusable,
+              "cold": cold, "first": first_run, "warm": warm, "ttft_ratio": ratio, "passed": ratio <= args.target,
+              "prefix_stats": prefix_stats(llm)}
+    _print_table(("", "TTFT (ms)", "cached tokens"), [
+        (name, f"{r['ttft_s'] * 1000:.0f}", str(r["cached_tokens"]))
+        for name, r in (("first prompt", first_run), ("follow-up, cold", cold), ("follow-up, warm", warm))])
+    print(f"warm / cold TTFT: {ratio:.1%} (target <= {args.target:.0%}: {'PASS' if result['passed'] else 'FAIL'})")
+    print(f"prefix_stats (warm engine): {result['prefix_stats'] or 'not available'}")
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `followup` under `deltaserve bench`."""
+    from deltaserve.utils.cli_args import add_dataclass_args, dataclass_from_args
+
+    p = sub.add_parser("followup", help="TTFT of a follow-up sharing 90%% of a cached prompt, vs cold")
+    add_dataclass_args(p, FollowupBenchArgs)
+    p.set_defaults(func=lambda a: (run_followup(dataclass_from_args(FollowupBenchArgs, a)), 0)[1])
