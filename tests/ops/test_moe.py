@@ -207,12 +207,12 @@ def test_silu_and_mul() -> None:
         silu_and_mul(torch.zeros(2, 7))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 32])
+@pytest.mark.parametrize("num_tokens", [1, 5, 32, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_moe_experts_dense_path_matches_reference(num_tokens, dtype):
-    """The dense fast path equals the grouped reference, and the dispatcher picks it only where it claims to win."""
+def test_moe_experts_padded_path_matches_reference(num_tokens, dtype):
+    """The padded batched fast path equals the grouped reference (experts with no tokens included)."""
     from deltaserve.ops import moe as dispatch
-    from deltaserve.ops.moe import dense
+    from deltaserve.ops.moe import padded
 
     g = torch.Generator().manual_seed(num_tokens)
     e, k, d, i = 8, 2, 40, 24
@@ -222,7 +222,8 @@ def test_moe_experts_dense_path_matches_reference(num_tokens, dtype):
     weights, ids = moe_route(torch.randn(num_tokens, e, generator=g), None, top_k=k, num_expert_group=1,
                              topk_group=1, renormalize=True, routed_scaling_factor=2.0)
     ref = moe_experts(x, w13, w2, weights, ids)
-    out = dense.moe_experts_dense(x, w13, w2, weights, ids)
-    assert_close("dense vs grouped", ref, out, 1e-6 if dtype == torch.float32 else 1e-12)
-    assert torch.equal(dispatch.moe_experts(x, w13, w2, weights, ids), out)  # these shapes take the dense path
-    assert not dense.supports(num_tokens, 256, 8) and not dense.supports(4096, 8, 2)
+    out = padded.moe_experts_padded(x, w13, w2, weights, ids)
+    assert_close("padded vs grouped", ref, out, 1e-6 if dtype == torch.float32 else 1e-12)
+    assert_close("dispatch vs grouped", ref, dispatch.moe_experts(x, w13, w2, weights, ids),
+                 1e-6 if dtype == torch.float32 else 1e-12)
+    assert padded.supports(torch.tensor([3, 3, 2, 4]), 12) and not padded.supports(torch.tensor([12, 0, 0, 0, 0]), 12)
