@@ -28,12 +28,15 @@ def _gather_context(kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor
     Gathers whole blocks (one index op over block ids, contiguous copies) rather than single rows. Zeroing matters:
     unwritten cache rows may hold NaN/inf, and ``0 * NaN`` would leak through masked probabilities.
     """
-    num_seqs, block_size = block_tables.shape[0], kv_cache.shape[1]
+    num_seqs, block_size, width = block_tables.shape[0], kv_cache.shape[1], kv_cache.shape[-1]
     num_blocks = -(-num_positions // block_size)
-    table = block_tables.to(device=kv_cache.device, dtype=torch.long)[:, :num_blocks]  # [N, B]
-    rows = kv_cache[table].view(num_seqs, num_blocks * block_size, kv_cache.shape[-1])[:, :num_positions]
-    valid = torch.arange(num_positions, device=kv_cache.device)[None, :] < context_lens[:, None]  # [N, P]
-    return rows.masked_fill_(~valid[..., None], 0)
+    table = block_tables.to(device=kv_cache.device, dtype=torch.long)[:, :num_blocks].reshape(-1)
+    # index_select + index_fill_: several times faster on CPU than advanced indexing and a broadcast masked_fill.
+    rows = kv_cache.index_select(0, table).view(num_seqs, num_blocks * block_size, width)
+    pos = torch.arange(num_blocks * block_size, device=kv_cache.device)
+    invalid = (pos[None, :] >= context_lens[:, None]).reshape(-1).nonzero().squeeze(1)  # host sync
+    rows.view(-1, width).index_fill_(0, invalid, 0)
+    return rows[:, :num_positions]
 
 
 def _split_kv_b(kv_b_weight: Tensor, qk_nope_head_dim: int, v_head_dim: int) -> tuple[Tensor, Tensor]:
@@ -45,7 +48,9 @@ def _split_kv_b(kv_b_weight: Tensor, qk_nope_head_dim: int, v_head_dim: int) -> 
 def _masked_softmax(scores: Tensor, allowed: Tensor, dtype: torch.dtype) -> Tensor:
     """Softmax over the last dim in fp32 (fp64 stays fp64) with disallowed entries at -inf, cast to ``dtype``."""
     softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
-    probs = scores.to(softmax_dtype).masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    # An additive -inf bias broadcasts much faster on CPU than a broadcast masked_fill.
+    bias = torch.zeros(allowed.shape, dtype=softmax_dtype, device=scores.device).masked_fill_(~allowed, float("-inf"))
+    probs = (scores.to(softmax_dtype) + bias).softmax(dim=-1)
     return probs.to(dtype)
 
 

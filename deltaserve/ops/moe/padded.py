@@ -37,10 +37,12 @@ def moe_experts_padded(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(flat.numel(), device=x.device) - starts[expert]  # position inside its expert's group
     token = order // top_k
-    batch = x.new_zeros(num_experts, int(counts.max()), x.shape[1])  # [E, m, d]; padding rows stay zero
-    batch[expert, rank] = x[token]
-    hidden = silu_and_mul(torch.bmm(batch, w13.transpose(1, 2)))  # [E, m, I]
-    y = torch.bmm(hidden, w2.transpose(1, 2))[expert, rank]  # [T*k, d], pair order
+    m, d = int(counts.max()), x.shape[1]
+    slot = expert * m + rank  # row of each pair in the flattened [E * m] batch
+    # index_select / index_copy_ rather than advanced indexing: several times faster on CPU.
+    batch = x.new_zeros(num_experts * m, d).index_copy_(0, slot, x.index_select(0, token))
+    hidden = silu_and_mul(torch.bmm(batch.view(num_experts, m, d), w13.transpose(1, 2)))  # [E, m, I]
+    y = torch.bmm(hidden, w2.transpose(1, 2)).view(num_experts * m, -1).index_select(0, slot)  # [T*k, d]
     out = torch.zeros_like(x)
     out.index_add_(0, token, (y * topk_weights.reshape(-1)[order, None]).to(x.dtype))
     return out
