@@ -50,18 +50,7 @@ def ours_prefill(runner: ModelRunner, ids: list[int]):
 
 def ours_decode_step_time(runner: ModelRunner, ids: list[int], steps: int) -> float:
     blocks = list(range(runner.num_blocks))
-    runner.execute_model(
-        [
-            ScheduledChunk(
-                request_id="r",
-                new_token_ids=ids,
-                num_computed_tokens=0,
-                state_slot=0,
-                block_ids=blocks,
-                reset_state=True,
-            )
-        ]
-    )
+    ours_prefill(runner, ids)()
     times, token = [], ids[-1]
     for i in range(steps):
         start = time.perf_counter()

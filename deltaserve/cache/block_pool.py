@@ -44,7 +44,7 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return sum(1 for b in self._blocks if b.cached)
+        return len(self._by_hash) + sum(len(t) for t in self._partials.values())
 
     def allocate(self, n: int) -> list[int] | None:
         """n blocks with ref count 1, or None and no change when fewer than n are free. Evicts LRU cached blocks."""

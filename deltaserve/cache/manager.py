@@ -285,9 +285,6 @@ class CacheManager:
 
     # -- introspection -------------------------------------------------------------------------------------------
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._held
-
     def slot(self, request_id: str) -> int:
         return self._held[request_id].slot
 

@@ -6,6 +6,8 @@ sequence's running slot can become a checkpoint without copying the state.
 
 from __future__ import annotations
 
+import heapq
+
 RUNNING = "running"
 CHECKPOINT = "checkpoint"
 
@@ -18,14 +20,10 @@ class StatePool:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.num_checkpoint_slots = num_checkpoint_slots
-        self._free = list(range(num_slots + num_checkpoint_slots - 1, -1, -1))  # a stack: pop() gives the lowest
+        self._free = list(range(num_slots + num_checkpoint_slots))  # a min-heap: the lowest free id first
         self._kind: dict[int, str] = {}
         self._count = {RUNNING: 0, CHECKPOINT: 0}
         self._cap = {RUNNING: num_slots, CHECKPOINT: num_checkpoint_slots}
-
-    @property
-    def num_total(self) -> int:
-        return self.num_slots + self.num_checkpoint_slots
 
     @property
     def num_free(self) -> int:
@@ -39,7 +37,7 @@ class StatePool:
         """A free slot id of `kind`, or None at that kind's cap. The runner zeroes or overwrites it before use."""
         if self._count[kind] >= self._cap[kind]:
             return None
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._kind[slot] = kind
         self._count[kind] += 1
         return slot
@@ -61,5 +59,4 @@ class StatePool:
         if kind is None:
             raise RuntimeError(f"state slot {slot} freed but not in use")
         self._count[kind] -= 1
-        self._free.append(slot)
-        self._free.sort(reverse=True)
+        heapq.heappush(self._free, slot)

@@ -35,10 +35,6 @@ class ForwardBatch:
     checkpoint_slots: tuple[tuple[int, ...], ...] | None = None
     """The state slots those checkpoints are written to, aligned with `checkpoint_positions`."""
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
     def prefill_cu_seqlens(self) -> torch.Tensor:
         """[P + 1] offsets of the prefill sequences, relative to the first prefill row."""
         cu = self.cu_seqlens[self.num_decodes :]

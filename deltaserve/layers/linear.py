@@ -29,13 +29,6 @@ class NormWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
 
-def checkpoint_tensors(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Default mapping: every parameter and buffer under its own dotted name."""
-    named = dict(module.named_parameters(prefix=prefix.rstrip(".")))
-    named.update(module.named_buffers(prefix=prefix.rstrip(".")))
-    return named
-
-
 class FusedLinear(nn.Module):
     """Several bias-free projections of the same input as one GEMM; each loads from its own checkpoint tensor.
 
