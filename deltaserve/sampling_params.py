@@ -3,6 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "lark"]
+STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced by a token bitmask in the sampler (`deltaserve.structured`)."""
+
+    kind: StructuredKind
+    """json_schema (spec: the schema as JSON text), json_object (any JSON object; spec ignored), regex (spec: the
+    pattern) or lark (spec: a llguidance Lark grammar, may name special tokens)."""
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured.kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured.spec must be a string, got {type(self.spec).__name__}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +63,8 @@ class SamplingParams:
     """Return the log-probability of each sampled token and this many most likely alternatives (0: sampled only)."""
     skip_special_tokens: bool = True
     """Drop special tokens from the output text."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex or a grammar."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

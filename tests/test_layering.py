@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "deltaserve"
 
 # What each top-level part may import (besides itself). Lower layers first; see docs/structure.md.
-BASE = {"config", "sampling_params", "outputs", "request", "envs", "utils", "text", "parsers"}
+BASE = {"config", "sampling_params", "outputs", "request", "envs", "utils", "text", "parsers", "chat"}
 ALLOWED: dict[str, set[str]] = {
     **{name: BASE for name in BASE},
     "ops": {"envs", "utils"},
@@ -16,10 +16,11 @@ ALLOWED: dict[str, set[str]] = {
     "scheduler": BASE | {"cache"},
     "layers": BASE | {"ops"},
     "models": BASE | {"ops", "layers", "cache"},
-    "runner": BASE | {"ops", "layers", "models", "cache", "scheduler"},
+    "structured": BASE,
+    "runner": BASE | {"ops", "layers", "models", "cache", "scheduler", "structured"},
     "spec_decode": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner"},
     "disagg": BASE | {"cache", "scheduler", "runner"},
-    "engine": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "spec_decode", "disagg"},
+    "engine": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "spec_decode", "disagg", "structured"},
     "entrypoints": BASE | {"engine"},
     "bench": BASE | {"engine", "entrypoints", "models"},  # models: to write a tiny checkpoint when none is given
 }
