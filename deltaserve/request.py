@@ -22,6 +22,9 @@ class FinishReason(enum.StrEnum):
     """max_tokens, or the model's length limit."""
     ABORT = "abort"
     """Cancelled by the client."""
+    ERROR = "error"
+    """The engine could not serve the request: its structured-output grammar failed to compile, or the grammar
+    rejected a sampled token. `EngineCoreOutput.error` says why; no cache is held."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -47,6 +50,10 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache at first admission (None until admitted)."""
+    grammar: object | None = None
+    """The `deltaserve.structured.Grammar` of a request with `params.structured`: set by the engine's
+    StructuredOutputManager before the request reaches the scheduler, advanced by the engine once per sampled
+    token (never on recompute), dropped when the request finishes. None for unconstrained requests."""
 
     @property
     def num_tokens(self) -> int:

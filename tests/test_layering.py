@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "spec_decode": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner"},
     "disagg": BASE | {"cache", "scheduler", "runner"},
     "engine": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "spec_decode", "disagg", "structured"},
-    "entrypoints": BASE | {"engine"},
+    "entrypoints": BASE | {"engine", "structured"},
     "bench": BASE | {"engine", "entrypoints", "models"},  # models: to write a tiny checkpoint when none is given
 }
 # Composition roots may import anything: the package facade and the command line.

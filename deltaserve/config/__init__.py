@@ -2,6 +2,7 @@
 
 from deltaserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
 from deltaserve.config.model import ConfigError, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+from deltaserve.config.server import ServerConfig
 
 __all__ = [
     "CacheConfig",
@@ -12,5 +13,6 @@ __all__ = [
     "ModelConfig",
     "MoEConfig",
     "SchedulerConfig",
+    "ServerConfig",
     "parse_memory",
 ]

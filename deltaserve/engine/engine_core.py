@@ -6,7 +6,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -14,13 +14,20 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.planner import plan_cache
 from deltaserve.cache.spec import StateCacheSpec
 from deltaserve.config import EngineConfig, ModelConfig, parse_memory
+from deltaserve.engine.stats import EngineStats
 from deltaserve.models.loader import load_model
 from deltaserve.request import FinishReason, Request
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.sampling_params import SamplingParams
-from deltaserve.scheduler.scheduler import Scheduler
+from deltaserve.scheduler.output import SchedulerOutput
+from deltaserve.scheduler.scheduler import Scheduler, StepEvent
+from deltaserve.structured.manager import StructuredOutputManager
+from deltaserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+IDLE_COMPILE_WAIT_S = 0.05
+"""With nothing to run but grammars compiling, `step()` waits this long at most for one to finish."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,6 +40,8 @@ class EngineCoreOutput:
     """Per new token a `runner.sampler.TokenLogprobs`, or None when not requested."""
     finish_reason: FinishReason | None
     num_cached_tokens: int = 0
+    error: str | None = None
+    """Why the request finished with FinishReason.ERROR (e.g. its grammar failed to compile); None otherwise."""
 
 
 @dataclass(slots=True)
@@ -87,6 +96,10 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks=layout.num_blocks, block_size=cc.block_size,
                                   num_slots=layout.num_slots + num_ckpt)
         self.stats = StepStats()
+        self.structured = StructuredOutputManager(
+            config.structured_output_backend, lambda: Tokenizer.from_pretrained(config.model),
+            self.model_config.vocab_size,
+        )
         self._arrivals = itertools.count()
         torch.manual_seed(config.seed)  # the shared generator of unseeded sampling
 
@@ -108,35 +121,103 @@ class EngineCore:
         if params.n != 1:
             raise ValueError("EngineCore.add_request takes n=1 sampling params; fan out n in the frontend")
         self.validate_prompt(prompt_token_ids)
+        if self.structured.is_pending(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-        self.scheduler.add_request(Request(
+        request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, stop_token_ids=stops,
             arrival_index=next(self._arrivals), priority=priority, max_total_tokens=self.max_model_len,
-        ))
+        )
+        if params.structured is None:
+            self.scheduler.add_request(request)
+        else:  # compiled in a thread; queued in the scheduler by the first step() after it is ready
+            self.scheduler.check_request(request)
+            self.structured.submit(request)
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request at any time; every block and slot it held is freed. Unknown ids are ignored."""
-        self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        self.finish_request(request_id, FinishReason.ABORT)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> None:
-        """End a request early with `reason` (a stop string found by the detokenizer)."""
-        self.scheduler.finish_request(request_id, reason)
+        """End a request early with `reason` (a stop string found by the detokenizer); frees its grammar too."""
+        request = self.structured.cancel(request_id) or self.scheduler.finish_request(request_id, reason)
+        if request is not None:
+            request.grammar = None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.structured.num_pending > 0
+
+    def get_stats(self) -> EngineStats:
+        """A snapshot for metrics (named `get_stats` because `self.stats` holds the step timings)."""
+        usage, prefix = self.cache.usage(), self.cache.prefix_stats()
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=usage.num_blocks - usage.num_free_blocks, kv_blocks_total=usage.num_blocks,
+            state_slots_used=usage.num_slots - usage.num_free_slots, state_slots_total=usage.num_slots,
+            prefix_queried_tokens=prefix.queried_tokens, prefix_hit_tokens=prefix.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions, steps=self.stats.steps,
+            step_seconds=self.stats.total_seconds, forward_seconds=self.stats.forward_seconds,
+        )
 
     def step(self) -> list[EngineCoreOutput]:
-        """One engine iteration: schedule, run the model and the sampler, update every scheduled request."""
+        """One engine iteration: schedule, run the model and the sampler, update every scheduled request.
+
+        Requests whose grammar finished compiling join the scheduler first (a failed compile yields one output
+        with FinishReason.ERROR); constrained sampling rows get their grammar's token bitmask.
+        """
+        if self.structured.num_pending and not self.scheduler.has_unfinished():
+            self.structured.wait(IDLE_COMPILE_WAIT_S)  # nothing else to run: do not spin while grammars compile
         start = time.perf_counter()
-        out = self.scheduler.schedule()
+        outputs = self._admit_compiled()
+        out = self._with_grammar_bitmask(self.scheduler.schedule())
         result = self.runner.execute(out)
         events = self.scheduler.update_from_output(out, result)
+        rejected = self._advance_grammars(events)
         self.stats.steps += 1
         self.stats.total_seconds += time.perf_counter() - start
         self.stats.forward_seconds += result.forward_seconds
-        return [
-            EngineCoreOutput(request_id=e.request.request_id, new_token_ids=[e.token.token_id],
-                             logprobs=[e.token.logprobs], finish_reason=e.finish_reason,
-                             num_cached_tokens=e.request.num_cached_tokens or 0)
-            for e in events
-        ]
+        for e in events:
+            error = rejected.get(e.request.request_id)
+            outputs.append(EngineCoreOutput(
+                request_id=e.request.request_id, new_token_ids=[e.token.token_id], logprobs=[e.token.logprobs],
+                finish_reason=e.finish_reason if error is None else FinishReason.ERROR,
+                num_cached_tokens=e.request.num_cached_tokens or 0, error=error,
+            ))
+        return outputs
+
+    # -- structured output ---------------------------------------------------------------------------------------
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar is ready; finish those whose compile failed, one output each."""
+        if not self.structured.num_pending:
+            return []
+        compiled, failed = self.structured.take_finished()
+        for request in compiled:
+            self.scheduler.add_request(request)
+        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], logprobs=[],
+                                 finish_reason=FinishReason.ERROR, error=message) for r, message in failed]
+
+    def _with_grammar_bitmask(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Attach the token bitmask of every constrained request that samples this step (none: `out` unchanged)."""
+        requests = self.scheduler.requests
+        ids = [c.request_id for c in out.chunks if c.sample and requests[c.request_id].grammar is not None]
+        if not ids:
+            return out
+        bitmask = self.structured.bitmask([requests[rid].grammar for rid in ids])
+        return replace(out, structured_request_ids=ids, grammar_bitmask=bitmask)
+
+    def _advance_grammars(self, events: list[StepEvent]) -> dict[str, str]:
+        """Feed every constrained request its new token (once: recompute never re-feeds). A token the grammar
+        rejects finishes the request with an error (by id -> message); a finished request's grammar is dropped."""
+        rejected: dict[str, str] = {}
+        for e in events:
+            request, grammar = e.request, e.request.grammar
+            if grammar is None:
+                continue
+            if e.finish_reason is None and not grammar.accept_token(e.token.token_id):
+                rejected[request.request_id] = f"the structured-output grammar rejected token {e.token.token_id}"
+                logger.error("request %s: %s", request.request_id, rejected[request.request_id])
+                self.scheduler.finish_request(request.request_id, FinishReason.ERROR)
+            if request.is_finished:
+                request.grammar = None
+        return rejected

@@ -1,4 +1,4 @@
-"""The `deltaserve` command: `generate`, `make-tiny` and `bench offline` (the server arrives with its issue).
+"""The `deltaserve` command: `serve`, `generate`, `make-tiny` and `bench`.
 
 This module is the composition root of the command line, so it may import any layer (lazily, per subcommand).
 """
@@ -28,6 +28,24 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from deltaserve import envs
+    from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+    from deltaserve.entrypoints.server.launch import run
+    from deltaserve.utils.cli_args import dataclass_from_args
+
+    server = dataclass_from_args(ServerConfig, args)
+    if server.api_key is None and envs.api_key():
+        import dataclasses
+
+        server = dataclasses.replace(server, api_key=envs.api_key())
+    engine = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                          structured_output_backend=args.structured_output_backend,
+                          cache=dataclass_from_args(CacheConfig, args),
+                          scheduler=dataclass_from_args(SchedulerConfig, args))
+    return run(engine, server, log_level=args.log_level)
+
+
 def _make_tiny(args: argparse.Namespace) -> int:
     from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
     from deltaserve.utils.cli_args import dataclass_from_args
@@ -38,14 +56,27 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltaserve.bench import followup, offline, trace_replay
-    from deltaserve.config import CacheConfig, SchedulerConfig
+    from deltaserve.bench import followup, http_overhead, offline, trace_replay
+    from deltaserve.config import CacheConfig, SchedulerConfig, ServerConfig
     from deltaserve.models.tiny import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
 
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    srv.add_argument("--model", required=True, help="checkpoint directory")
+    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    srv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    srv.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
+    srv.add_argument("--structured-output-backend", default="llguidance", choices=["llguidance", "xgrammar"],
+                     help="grammar library for response_format and forced tool calls (default: llguidance)")
+    add_dataclass_args(srv.add_argument_group("server"), ServerConfig)
+    engine = srv.add_argument_group("engine (help generated from the config dataclasses)")
+    add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
+    add_dataclass_args(engine, SchedulerConfig)
+    srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("--model", required=True, help="checkpoint directory")
@@ -71,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_parser(bench_sub)
     trace_replay.add_parser(bench_sub)
     followup.add_parser(bench_sub)
+    http_overhead.add_parser(bench_sub)
     return parser
 
 

@@ -10,7 +10,7 @@ import torch
 
 from deltaserve.layers.forward_batch import ForwardBatch, KDALayerCache
 from deltaserve.runner.kv_tensors import allocate_layer_caches
-from deltaserve.runner.sampler import SamplingRow, sample
+from deltaserve.runner.sampler import SamplingRow, TokenBitmask, sample
 from deltaserve.scheduler.output import NewRequestData, RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 
 
@@ -60,11 +60,20 @@ class ModelRunner:
                 for s in states
             ]
             if rows:
-                result = sample(logits, rows)
+                result = sample(logits, rows, self._token_bitmask(out, chunks))
                 for c, s, tok, lp in zip(chunks, states, result.token_ids, result.logprobs, strict=True):
                     s.output_token_ids.append(tok)
                     sampled[c.request_id] = SampledToken(tok, lp)
         return RunnerOutput(sampled=sampled, forward_seconds=self.last_forward_seconds)
+
+    @staticmethod
+    def _token_bitmask(out: SchedulerOutput, sampled: Sequence[ScheduledChunk]) -> TokenBitmask | None:
+        """The grammar bitmask of the constrained rows among the `sampled` chunks (structured output), or None."""
+        if not out.structured_request_ids:
+            return None
+        row = {c.request_id: i for i, c in enumerate(sampled)}
+        return TokenBitmask(row_indices=[row[rid] for rid in out.structured_request_ids],
+                            bitmask=out.grammar_bitmask)  # type: ignore[arg-type]
 
     # -- the model step ------------------------------------------------------------------------------------------
 

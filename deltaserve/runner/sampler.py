@@ -1,5 +1,6 @@
-"""Token selection for one batch of logits, with vLLM v1 semantics: min_tokens stop masking, penalties, greedy or
-temperature/top-k/min-p/top-p sampling with per-request generators, and logprobs of the raw logits.
+"""Token selection for one batch of logits, with vLLM v1 semantics: min_tokens stop masking, grammar bitmasks,
+penalties, greedy or temperature/top-k/min-p/top-p sampling with per-request generators, and logprobs of the raw
+logits.
 
 The tensor work lives in `deltaserve.ops.sampling`; this module turns per-row `SamplingParams` into batched tensors.
 """
@@ -35,6 +36,16 @@ class SamplingRow:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenBitmask:
+    """The grammar-allowed tokens of some rows (structured output); the other rows are not touched."""
+
+    row_indices: list[int]
+    """Logits rows constrained, in the order of the bitmask's rows."""
+    bitmask: torch.Tensor
+    """``[len(row_indices), ceil(V / 32)]`` int32: bit j of word w set = token 32 * w + j allowed."""
+
+
+@dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     """Logprobs of one sampled token, from the raw logits (log_softmax before penalties, temperature and filters)."""
 
@@ -56,16 +67,19 @@ class SamplerOutput:
     """None for rows whose ``params.logprobs`` is None."""
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: TokenBitmask | None = None
+           ) -> SamplerOutput:
     """Pick one token per row.
 
-    Order (vLLM v1): stop tokens masked for rows below ``min_tokens``; repetition, frequency and presence penalties;
+    Order (vLLM v1): stop tokens masked for rows below ``min_tokens``; the grammar bitmask of constrained rows
+    (should the two leave a row nothing, the grammar alone wins); repetition, frequency and presence penalties;
     greedy rows (temperature 0) take the argmax; the others divide by their temperature, apply min-p and top-k, then
     top-p, and sample by exponential race. A seeded row's token depends only on its own logits row and generator.
 
     Args:
         logits: ``[N, V]`` fp32; row i belongs to ``rows[i]``. Not modified.
         rows: N sampling rows.
+        token_bitmask: the grammar-allowed tokens of the constrained rows, or None (no cost for the others).
 
     Returns:
         The N token ids and, per row, its logprobs (computed from the raw ``logits``) or None.
@@ -74,6 +88,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         raise ValueError(f"logits must be [N, V] with N = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
     raw = logits
     logits = _mask_stop_tokens(logits, rows)
+    if token_bitmask is not None and token_bitmask.row_indices:
+        logits = _apply_token_bitmask(raw, logits, token_bitmask)
     logits = _apply_penalties(logits, rows)
     token_ids = logits.argmax(dim=-1)  # [N]
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -98,6 +114,17 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     row_idx, token_idx = torch.tensor(pairs, device=logits.device).T
     return logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
                                                                device=logits.device))
+
+
+def _apply_token_bitmask(raw: torch.Tensor, logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    idx = torch.tensor(mask.row_indices, device=logits.device)
+    bitmask = mask.bitmask.to(logits.device)
+    masked = sampling_ops.apply_token_bitmask(logits.index_select(0, idx), bitmask)  # [R, V]
+    empty = torch.isneginf(masked.amax(dim=-1))  # [R]: min_tokens masked every stop token the grammar allows
+    if bool(empty.any()):
+        fallback = sampling_ops.apply_token_bitmask(raw.index_select(0, idx), bitmask)
+        masked = torch.where(empty[:, None], fallback, masked)
+    return logits.index_copy(0, idx, masked)
 
 
 def _counts(seqs: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -48,6 +48,12 @@ class SchedulerOutput:
     """(src block, dst block, rows): copy the first rows of a cached partial block before the forward."""
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src slot, dst slot): copy a checkpoint's KDA state into a running slot before the forward."""
+    structured_request_ids: list[str] = field(default_factory=list)
+    """Sampling requests constrained by a grammar this step, in the row order of `grammar_bitmask`. Filled by the
+    engine (its StructuredOutputManager) after `schedule()`; empty when no sampled row is constrained."""
+    grammar_bitmask: object | None = None
+    """CPU int32 torch tensor ``[len(structured_request_ids), ceil(vocab / 32)]``: bit j of word w allows token
+    32 * w + j (kept opaque here so the scheduler needs no torch). None when `structured_request_ids` is empty."""
 
     @property
     def num_tokens(self) -> int:

@@ -64,6 +64,13 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if its id is taken or it could never fit an empty cache."""
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self._unsent.add(request.request_id)
+        self.waiting.push(request)
+
+    def check_request(self, request: Request) -> None:
+        """What `add_request` checks, without queuing: ValueError if the id is taken or it could never fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         need = request.max_tokens_needed
@@ -73,9 +80,6 @@ class Scheduler:
                 f"{self.cache.blocks.num_blocks} blocks of {self.cache.block_size}: lower max_tokens or raise "
                 "cache_memory"
             )
-        self.requests[request.request_id] = request
-        self._unsent.add(request.request_id)
-        self.waiting.push(request)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
         """Finish a request early (abort, or a stop string seen by the detokenizer); frees its cache."""

@@ -1,4 +1,4 @@
-"""A tiny, deterministic, offline byte-level BPE tokenizer with Kimi's special tokens, for tests.
+"""A tiny, deterministic, offline byte-level BPE tokenizer with Kimi's special tokens (K2 or K3 set), for tests.
 
 `write_tiny_tokenizer` trains it with `tokenizers` on a built-in corpus and writes `tokenizer.json` or Kimi's
 `tiktoken.model` format, plus `tokenizer_config.json`; `deltaserve.text.tokenizer.Tokenizer` loads either.
@@ -22,8 +22,9 @@ from deltaserve.text.tokenizer import (
     bytes_to_unicode,
 )
 
-# The last len(TINY_SPECIAL_TOKENS) ids of the vocab, in this order: Kimi K2 / Kimi Linear's named specials in
-# ascending Kimi id order (model-spec §11.1), then the K2.x thinking pair, with [UNK] and [PAD] last as in Kimi.
+# The K2 flavour (the default), the last len(TINY_SPECIAL_TOKENS) ids of the vocab in this order: Kimi K2 / Kimi
+# Linear's named specials in ascending Kimi id order (model-spec §11.1), then the K2.x thinking pair, with [UNK] and
+# [PAD] last as in Kimi.
 TINY_SPECIAL_TOKENS: tuple[str, ...] = (
     "[BOS]",
     "[EOS]",
@@ -45,6 +46,28 @@ TINY_SPECIAL_TOKENS: tuple[str, ...] = (
     "[UNK]",
     "[PAD]",
 )
+# The K3 flavour (model-spec §11.2): Kimi K3's named specials in ascending Kimi id order, [UNK] and [PAD] last.
+# Ids 163586..163591 of K3 carry different tokens than K2, so K3 prompts cannot be tested on the K2 set.
+TINY_K3_SPECIAL_TOKENS: tuple[str, ...] = (
+    "[BOS]",
+    "[EOS]",
+    "<|end_of_msg|>",
+    "<|open|>",
+    "<|close|>",
+    "<|sep|>",
+    "[start_header_id]",
+    "[end_header_id]",
+    "[EOT]",
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+    "<osagent_mode>",
+    "[UNK]",
+    "[PAD]",
+)
+FLAVORS: dict[str, tuple[str, ...]] = {"k2": TINY_SPECIAL_TOKENS, "k3": TINY_K3_SPECIAL_TOKENS}
+_CONFIG_EOS = {"k2": "<|im_end|>", "k3": "<|end_of_msg|>"}  # the checkpoint config's eos of each family
 MIN_VOCAB_SIZE = 300  # 256 byte tokens + the specials + a few merges
 _MAX_FILLER_LINES = 1 << 17
 FORMATS = ("tokenizers", "tiktoken")
@@ -143,30 +166,40 @@ def _train(num_base: int) -> HFTokenizer:
 
 
 def write_tiny_tokenizer(
-    out_dir: Path, vocab_size: int, *, fmt: str = "tokenizers", model_max_length: int = 1_048_576
+    out_dir: Path,
+    vocab_size: int,
+    *,
+    fmt: str = "tokenizers",
+    model_max_length: int = 1_048_576,
+    flavor: str = "k2",
 ) -> dict[str, int]:
     """Train and write a tiny tokenizer whose vocab, specials included, has exactly `vocab_size` ids.
 
     Args:
         out_dir: created if needed; receives `tokenizer_config.json` and `tokenizer.json` (fmt "tokenizers") or
             `tiktoken.model` (fmt "tiktoken"). The other format's file is removed so the loader sees one.
-        vocab_size: total ids; `TINY_SPECIAL_TOKENS` take the last ones, in order. At least `MIN_VOCAB_SIZE`.
+        vocab_size: total ids; the flavour's specials (`TINY_SPECIAL_TOKENS` for "k2", `TINY_K3_SPECIAL_TOKENS` for
+            "k3") take the last ones, in order. At least `MIN_VOCAB_SIZE`.
         fmt: "tokenizers" or "tiktoken". Both hold the same byte-level BPE (tiktoken rank == tokenizers id).
         model_max_length: written to `tokenizer_config.json`.
+        flavor: "k2" (Kimi K2 / Kimi Linear specials, the default) or "k3" (Kimi K3's XTML specials).
 
     Returns:
-        {"bos_token_id": [BOS], "eos_token_id": <|im_end|> (Kimi's config eos), "pad_token_id": [PAD]}.
-        `tokenizer_config.json` says eos_token "[EOS]"; a model config should use the returned <|im_end|> id, and
-        generation stops on both.
+        {"bos_token_id": [BOS], "eos_token_id": the config eos (<|im_end|> for k2, <|end_of_msg|> for k3),
+        "pad_token_id": [PAD]}. `tokenizer_config.json` says eos_token "[EOS]"; a model config should use the
+        returned eos id, and generation stops on both.
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if flavor not in FLAVORS:
+        raise ValueError(f"flavor must be one of {tuple(FLAVORS)}, got {flavor!r}")
+    specials = FLAVORS[flavor]
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
-    num_base = vocab_size - len(TINY_SPECIAL_TOKENS)
+    num_base = vocab_size - len(specials)
     tok = _train(num_base)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
-    ids = {t: tok.token_to_id(t) for t in TINY_SPECIAL_TOKENS}
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    ids = {t: tok.token_to_id(t) for t in specials}
     if list(ids.values()) != list(range(num_base, vocab_size)):  # invariant of add_special_tokens on a fresh vocab
         raise RuntimeError(f"special tokens landed at {ids}, expected ids {num_base}..{vocab_size - 1}")
 
@@ -204,4 +237,4 @@ def write_tiny_tokenizer(
     if fmt == "tokenizers":
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
     (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return {"bos_token_id": ids["[BOS]"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["[PAD]"]}
+    return {"bos_token_id": ids["[BOS]"], "eos_token_id": ids[_CONFIG_EOS[flavor]], "pad_token_id": ids["[PAD]"]}

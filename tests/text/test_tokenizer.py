@@ -12,7 +12,12 @@ import pytest
 import regex
 import tiktoken
 
-from deltaserve.text.tiny_tokenizer import MIN_VOCAB_SIZE, TINY_SPECIAL_TOKENS, write_tiny_tokenizer
+from deltaserve.text.tiny_tokenizer import (
+    MIN_VOCAB_SIZE,
+    TINY_K3_SPECIAL_TOKENS,
+    TINY_SPECIAL_TOKENS,
+    write_tiny_tokenizer,
+)
 from deltaserve.text.tokenizer import KIMI_PAT_STR, Tokenizer, split_long_runs
 
 VOCAB = 1024
@@ -134,6 +139,19 @@ def test_tiny_tokenizer_rejects_small_vocab(tmp_path: Path) -> None:
     """A vocab_size below the minimum is a ValueError naming vocab_size."""
     with pytest.raises(ValueError, match="vocab_size"):
         write_tiny_tokenizer(tmp_path, MIN_VOCAB_SIZE - 1)
+
+
+def test_tiny_tokenizer_k3_flavour(tmp_path: Path) -> None:
+    """flavor="k3" puts K3's specials on top (config eos <|end_of_msg|>); the default stays the K2 set."""
+    ids = write_tiny_tokenizer(tmp_path, VOCAB, fmt="tiktoken", flavor="k3")
+    tok = Tokenizer.from_pretrained(tmp_path)
+    first = VOCAB - len(TINY_K3_SPECIAL_TOKENS)
+    assert tok.special_tokens == {name: first + k for k, name in enumerate(TINY_K3_SPECIAL_TOKENS)}
+    assert ids == {"bos_token_id": first, "eos_token_id": first + 2, "pad_token_id": VOCAB - 1}
+    assert tok.id_to_token(first + 2) == "<|end_of_msg|>" and "<|im_end|>" not in tok.special_tokens
+    assert tok.encode("<|open|>message<|sep|>") == [first + 3, *tok.encode("message"), first + 5]
+    with pytest.raises(ValueError, match="flavor"):
+        write_tiny_tokenizer(tmp_path, VOCAB, flavor="k4")
 
 
 MERGES = (b"th", b"he", b"the", b" the", b"in", b"ing", b"  ", b"    ", b"12", b"123", b"\xe4\xb8")

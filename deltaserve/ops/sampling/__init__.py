@@ -5,6 +5,7 @@ from __future__ import annotations
 from deltaserve.ops.sampling.ref import (
     apply_penalties,
     apply_temperature,
+    apply_token_bitmask,
     apply_top_k_top_p_min_p,
     compute_logprobs,
     gather_logprobs,
@@ -15,6 +16,7 @@ from deltaserve.ops.sampling.ref import (
 __all__ = [
     "apply_penalties",
     "apply_temperature",
+    "apply_token_bitmask",
     "apply_top_k_top_p_min_p",
     "compute_logprobs",
     "gather_logprobs",

@@ -70,6 +70,24 @@ def apply_penalties(
     return out - presence_penalty.to(dtype)[:, None] * (output_counts != 0).to(dtype)
 
 
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """Set to ``-inf`` every token a grammar disallows.
+
+    Args:
+        logits: ``[N, V]`` float; not modified.
+        bitmask: ``[N, ceil(V / 32)]`` int32 (any device): bit ``j`` of word ``w`` set means token ``32 * w + j`` is
+            allowed (the layout llguidance and xgrammar write); bits past V are ignored.
+
+    Returns:
+        ``[N, V]`` logits with disallowed tokens at ``-inf``, a new tensor.
+    """
+    num_rows, vocab_size = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(device=logits.device, dtype=torch.int32)[:, :, None] >> shifts) & 1  # [N, W, 32]
+    allowed = bits.view(num_rows, -1)[:, :vocab_size].bool()  # [N, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     """``logits [N, V] / temperature [N]`` (every temperature > 0; greedy rows never get here). Out of place."""
     return logits / temperature.to(logits.dtype)[:, None]

@@ -1,0 +1,359 @@
+"""`AsyncEngineClient`: drives an `EngineCore` that runs in its own process, from asyncio code.
+
+The engine process (`core_proc.run_engine_core`) is started with the "spawn" method and joined by two ZMQ PUSH/PULL
+channels over `ipc://` sockets in a private temporary directory (protocol: `messages.py`). The API process never
+imports torch or the model: a slow HTTP handler cannot stall the step loop, and a step cannot stall the server.
+
+In this process, a reader callback on the output socket routes each request's outputs to that request's
+`asyncio.Queue` (ids that are unknown or already finished/aborted are dropped), and a callback on the process
+sentinel fails every waiter with `EngineDeadError` as soon as the engine process exits. Sends never block: both
+PUSH sockets are the connecting side with no high-water mark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from deltaserve.config import EngineConfig
+from deltaserve.engine.core_proc import run_engine_core
+from deltaserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineInfo,
+    EngineOutput,
+    FatalError,
+    OutputBatch,
+    Ready,
+    RequestOutput,
+    ShutdownRequest,
+    StartupError,
+    StatsReply,
+    StatsRequest,
+    TokenLogprobs,
+)
+from deltaserve.engine.stats import EngineStats
+from deltaserve.request import FinishReason
+from deltaserve.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngineClient",
+    "EngineDeadError",
+    "EngineInfo",
+    "EngineRequestError",
+    "EngineStartError",
+    "EngineStats",
+    "RequestDelta",
+    "TokenLogprobs",
+]
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0
+"""How long `shutdown` waits for the engine to exit by itself before terminating it."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine process failed to start (its error, one line; the full traceback is in `.traceback`)."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone (it failed, was killed, or was shut down)."""
+
+
+class EngineRequestError(ValueError):
+    """The engine rejected this request (bad prompt or parameters); the engine itself keeps serving."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    """One per new token; None where logprobs were not requested."""
+    finish_reason: FinishReason | None
+    """Set on the request's last delta."""
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache."""
+
+
+class AsyncEngineClient:
+    """One engine process and the routing of its outputs. Create with `await AsyncEngineClient.start(config)`;
+    all methods must be called from the event loop that started it."""
+
+    def __init__(self, *, process: multiprocessing.process.BaseProcess, zmq_ctx: zmq.Context, input_socket: zmq.Socket,
+                 output_socket: zmq.Socket, socket_dir: str, info: EngineInfo) -> None:
+        self.info = info
+        self._process = process
+        self._ctx, self._input, self._output = zmq_ctx, input_socket, output_socket
+        self._socket_dir = socket_dir
+        self._loop = asyncio.get_running_loop()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineOutput)
+        self._queues: dict[str, asyncio.Queue[RequestDelta | Exception]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
+        self._stats_numbers = itertools.count()
+        self._fatal: FatalError | None = None
+        self._dead_reason: str | None = None
+        """Set once the engine process has exited: why."""
+        self._closing = False
+        self._exited = asyncio.Event()
+        self._output_fd = output_socket.getsockopt(zmq.FD)
+        self._finalizer = weakref.finalize(self, _kill_and_clean, process, socket_dir)
+        self._loop.add_reader(self._output_fd, self._on_readable)
+        self._loop.add_reader(process.sentinel, self._on_exit)
+        self._on_readable()  # messages that arrived before the reader was registered (the FD is edge-triggered)
+
+    # -- start ---------------------------------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, config: EngineConfig, *, startup_timeout_s: float = 600) -> AsyncEngineClient:
+        """Spawn the engine process and wait until it has loaded the model.
+
+        Raises EngineStartError with the engine's error when it fails, dies or is not ready within the timeout.
+        """
+        socket_dir = tempfile.mkdtemp(prefix="deltaserve-")
+        input_address, output_address = f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output"
+        ctx = zmq.Context()
+        ctx.setsockopt(zmq.LINGER, 0)
+        output_socket = ctx.socket(zmq.PULL)
+        output_socket.setsockopt(zmq.RCVHWM, 0)
+        output_socket.bind(output_address)
+        input_socket = ctx.socket(zmq.PUSH)
+        input_socket.setsockopt(zmq.SNDHWM, 0)  # connect side: queued from the start, so a send never blocks
+        input_socket.setsockopt(zmq.RECONNECT_IVL, 10)  # the engine binds a moment after we connect
+        input_socket.connect(input_address)
+        log_level = logging.getLogger("deltaserve").getEffectiveLevel()
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, input_address, output_address, os.getpid(), log_level),
+            name="deltaserve-engine", daemon=True,
+        )
+        try:
+            process.start()
+            info = await _wait_ready(output_socket, process, startup_timeout_s)
+        except BaseException:
+            input_socket.close()
+            output_socket.close()
+            ctx.term()
+            _kill_and_clean(process, socket_dir)
+            raise
+        logger.info("engine process %d ready: %s", process.pid, info)
+        return cls(process=process, zmq_ctx=ctx, input_socket=input_socket, output_socket=output_socket,
+                   socket_dir=socket_dir, info=info)
+
+    # -- requests ------------------------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0) -> AsyncIterator[RequestDelta]:
+        """Add a request (when iteration starts) and yield one delta per engine step that produced tokens for it,
+        until the one with `finish_reason` set.
+
+        Closing the iterator early (aclose, cancellation, garbage collection) aborts the request in the engine.
+        Raises EngineRequestError if the engine rejects the request, EngineDeadError if the engine is gone, and
+        ValueError for n != 1 or a request id that is still in use.
+        """
+        if params.n != 1:
+            raise ValueError(f"generate takes n=1 sampling params (got n={params.n}); fan out n in the frontend")
+        self._check_alive()
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                                  eos_token_ids=eos_token_ids, priority=priority))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if not finished and self._queues.get(request_id) is queue:
+                del self._queues[request_id]
+                if self._dead_reason is None and not self._closing:
+                    self._send(AbortRequest(request_id=request_id, reason=FinishReason.ABORT))
+
+    async def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request now and free its cache (ABORT: the client went away; STOP: the frontend found a stop
+        string). Its iterator yields a last, empty delta with `finish_reason=reason`. Unknown ids are ignored."""
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(RequestDelta(request_id, [], [], reason, 0))
+        if self._dead_reason is None and not self._closing:
+            self._send(AbortRequest(request_id=request_id, reason=reason))
+
+    async def get_stats(self) -> EngineStats:
+        """A fresh snapshot from the engine process (answered between two steps)."""
+        self._check_alive()
+        number = next(self._stats_numbers)
+        waiter = self._loop.create_future()
+        self._stats_waiters[number] = waiter
+        try:
+            self._send(StatsRequest(request_no=number))
+            return await waiter
+        finally:
+            self._stats_waiters.pop(number, None)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_reason is None and not self._closing and self._process.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests added through this client that have not finished, failed or been aborted."""
+        return len(self._queues)
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process id."""
+        return self._process.pid
+
+    # -- shutdown ------------------------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Ask the engine to exit, wait for it (terminate it if it does not), close the sockets. Idempotent;
+        requests still in flight fail with EngineDeadError."""
+        if self._closing:
+            await self._exited.wait()
+            return
+        self._closing = True
+        if self._dead_reason is None:
+            self._send(ShutdownRequest())
+        for stop in (None, self._process.terminate, self._process.kill):
+            if stop is not None:
+                logger.warning("engine process %d did not exit: %s", self._process.pid, stop.__name__)
+                stop()
+            try:
+                await asyncio.wait_for(self._exited.wait(), SHUTDOWN_TIMEOUT_S)
+                break
+            except TimeoutError:
+                continue
+        self._loop.remove_reader(self._output_fd)
+        self._input.close()
+        self._output.close()
+        self._ctx.term()
+        self._finalizer()  # joins the process, removes the socket directory
+
+    # -- internals -----------------------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._closing:
+            raise EngineDeadError("the engine is shutting down")
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        self._input.send(self._encoder.encode(msg), zmq.NOBLOCK)
+
+    def _on_readable(self) -> None:
+        """Drain the output socket (called by the event loop when its FD signals)."""
+        while True:
+            try:
+                raw = self._output.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._dispatch(self._decoder.decode(raw))
+            except Exception:  # keep draining: an unread message would never signal the FD again
+                logger.exception("could not handle an engine output")
+
+    def _dispatch(self, msg: Ready | StartupError | OutputBatch | StatsReply | FatalError) -> None:
+        if isinstance(msg, OutputBatch):
+            for out in msg.outputs:
+                self._route(out)
+        elif isinstance(msg, StatsReply):
+            waiter = self._stats_waiters.pop(msg.request_no, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg.stats)
+        elif isinstance(msg, FatalError):
+            self._fatal = msg
+            logger.error("engine process failed: %s\n%s", msg.message, msg.traceback)
+
+    def _route(self, out: RequestOutput) -> None:
+        queue = self._queues.get(out.request_id)
+        if queue is None:
+            return
+        if out.error is not None:
+            del self._queues[out.request_id]
+            queue.put_nowait(EngineRequestError(out.error))
+            return
+        if out.finish_reason is not None:
+            del self._queues[out.request_id]
+        queue.put_nowait(RequestDelta(out.request_id, out.new_token_ids, out.logprobs, out.finish_reason,
+                                      out.num_cached_tokens))
+
+    def _on_exit(self) -> None:
+        """The engine process exited: deliver what it sent last, then fail every waiter."""
+        self._loop.remove_reader(self._process.sentinel)
+        if not self._closing:
+            self._output.poll(100)  # a FatalError sent just before exiting may still be on its way
+        self._on_readable()
+        self._process.join(1)
+        if self._closing:
+            reason = "the engine was shut down"
+        elif self._fatal is not None:
+            reason = f"the engine process failed: {self._fatal.message}"
+        else:
+            reason = f"the engine process exited unexpectedly (exit code {self._process.exitcode})"
+        if not self._closing:
+            logger.error("%s", reason)
+        self._dead_reason = reason
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        waiters, self._stats_waiters = self._stats_waiters, {}
+        for waiter in waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(reason))
+        self._exited.set()
+
+
+async def _wait_ready(output_socket: zmq.Socket, process: multiprocessing.process.BaseProcess,
+                      timeout_s: float) -> EngineInfo:
+    """The engine's Ready message; EngineStartError on its StartupError, its death or the timeout."""
+    decoder = msgspec.msgpack.Decoder(EngineOutput)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        alive = process.is_alive()
+        if output_socket.poll(0 if alive else 100):  # a dead engine's last message may still be on its way
+            msg = decoder.decode(output_socket.recv())
+            if isinstance(msg, Ready):
+                return msg.info
+            if isinstance(msg, StartupError):
+                raise EngineStartError(f"engine start-up failed: {msg.message}", msg.traceback)
+            continue
+        if not alive:
+            raise EngineStartError(f"the engine process exited during start-up (exit code {process.exitcode}); "
+                                   "see its log above")
+        if asyncio.get_running_loop().time() > deadline:
+            raise EngineStartError(f"the engine was not ready within {timeout_s:g} s")
+        await asyncio.sleep(0.02)
+
+
+def _kill_and_clean(process: multiprocessing.process.BaseProcess, socket_dir: str) -> None:
+    """Stop the process if it still runs and remove the socket directory (also at interpreter exit)."""
+    if process.is_alive():
+        process.kill()
+    if process.pid is not None:
+        process.join(5)
+    shutil.rmtree(socket_dir, ignore_errors=True)

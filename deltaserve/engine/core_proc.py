@@ -1,0 +1,206 @@
+"""The engine process: an `EngineCore` behind two ZMQ sockets, started by `AsyncEngineClient`.
+
+`run_engine_core` builds the engine, sends `Ready` (or `StartupError`), then loops: when the engine has no work it
+blocks on the input socket (waking every `PARENT_CHECK_S` to exit if its parent died); when it has work it takes
+whatever inputs arrived without waiting, runs one step and sends the step's outputs as one `OutputBatch`. A bad
+request becomes an error output for that request; an unexpected exception is logged and sent as `FatalError`, and
+the process exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineInfo,
+    EngineInput,
+    FatalError,
+    OutputBatch,
+    Ready,
+    RequestOutput,
+    ShutdownRequest,
+    StartupError,
+    StatsReply,
+    StatsRequest,
+)
+from deltaserve.request import FinishReason
+
+if TYPE_CHECKING:
+    from deltaserve.engine.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+PARENT_CHECK_S = 1.0
+"""How often an idle engine wakes to check that its parent process still exists."""
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
+                    log_level: int = logging.INFO) -> None:
+    """Entry point of the engine process (a `multiprocessing` spawn target). Exits with 1 after a failure."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
+    inputs.bind(input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)  # connect side: queued from the start, so a send never blocks
+    outputs.connect(output_address)
+    failed = True
+    try:
+        try:
+            ModelConfig.from_pretrained(config.model)  # a bad checkpoint fails before torch is imported
+            from deltaserve.engine.engine_core import EngineCore  # torch and the model stack: errors reported too
+
+            core = EngineCore(config)
+        except Exception as e:
+            logger.exception("engine start-up failed")
+            outputs.send(_ENCODER.encode(StartupError(message=_one_line(e), traceback=traceback.format_exc())))
+            return
+        outputs.send(_ENCODER.encode(Ready(info=engine_info(core))))
+        failed = not serve(core, inputs, outputs, parent_pid)
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=2000)  # deliver the last message (a StartupError or FatalError) before exiting
+        ctx.term()
+        if failed:
+            sys.exit(1)
+
+
+def serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> bool:
+    """Run the engine loop; on an unexpected exception log it, send `FatalError` and return False."""
+    try:
+        EngineProc(core, inputs, outputs, parent_pid).run()
+        return True
+    except Exception as e:
+        logger.exception("engine loop failed")
+        outputs.send(_ENCODER.encode(FatalError(message=_one_line(e), traceback=traceback.format_exc())))
+        return False
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def engine_info(core: EngineCore) -> EngineInfo:
+    return EngineInfo(
+        max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
+        eos_token_ids=frozenset(core.model_config.eos_token_ids), num_blocks=core.cache.blocks.num_blocks,
+        num_state_slots=core.cache.slots.num_slots, block_size=core.config.cache.block_size,
+    )
+
+
+class EngineProc:
+    """The busy loop around one `EngineCore`: inputs, step, outputs."""
+
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+        self.core, self.inputs, self.outputs, self.parent_pid = core, inputs, outputs, parent_pid
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
+        self.rejected: list[RequestOutput] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def run(self) -> None:
+        """Loop until a `ShutdownRequest` or the parent process is gone."""
+        while True:
+            if not self.core.has_unfinished_requests() and not self.wait_for_input():
+                logger.warning("parent process %d is gone: engine exiting", self.parent_pid)
+                return
+            if not self.handle_inputs():
+                logger.info("engine shutting down")
+                return
+            batch = self.rejected
+            self.rejected = []
+            if self.core.has_unfinished_requests():
+                batch += [self.to_wire(out) for out in self.core.step()]
+            if batch:
+                self.outputs.send(_ENCODER.encode(OutputBatch(outputs=batch, step=self.core.stats.steps)))
+            if os.getppid() != self.parent_pid:  # orphaned while busy
+                logger.warning("parent process %d is gone: engine exiting", self.parent_pid)
+                return
+
+    def wait_for_input(self) -> bool:
+        """Block until an input arrives; False if the parent process died meanwhile."""
+        while not self.inputs.poll(timeout=int(PARENT_CHECK_S * 1000)):
+            if os.getppid() != self.parent_pid:
+                return False
+        return True
+
+    def handle_inputs(self) -> bool:
+        """Apply every input that has arrived, without waiting; False on a shutdown request."""
+        while True:
+            try:
+                raw = self.inputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                msg = self.decoder.decode(raw)
+            except msgspec.DecodeError as e:  # ValidationError too (e.g. invalid SamplingParams)
+                self.reject_undecodable(raw, e)
+                continue
+            if isinstance(msg, ShutdownRequest):
+                return False
+            self.handle(msg)
+
+    def handle(self, msg: AddRequest | AbortRequest | StatsRequest) -> None:
+        if isinstance(msg, AddRequest):
+            self.add(msg)
+        elif isinstance(msg, AbortRequest):
+            if msg.reason is FinishReason.ABORT:
+                self.core.abort_request(msg.request_id)
+            else:
+                self.core.finish_request(msg.request_id, msg.reason)
+        elif isinstance(msg, StatsRequest):
+            stats = dataclasses.replace(self.core.get_stats(), prompt_tokens=self.prompt_tokens,
+                                        generation_tokens=self.generation_tokens)
+            self.outputs.send(_ENCODER.encode(StatsReply(request_no=msg.request_no, stats=stats)))
+
+    def add(self, msg: AddRequest) -> None:
+        try:
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
+                                  eos_token_ids=msg.eos_token_ids, priority=msg.priority)
+        except ValueError as e:
+            self.reject(msg.request_id, str(e))
+        except Exception as e:  # a bug for this request only: report it and keep serving the others
+            logger.exception("adding request %r failed", msg.request_id)
+            self.reject(msg.request_id, f"internal error while adding the request: {type(e).__name__}: {e}")
+        else:
+            self.prompt_tokens += len(msg.prompt_token_ids)
+
+    def reject(self, request_id: str, error: str) -> None:
+        self.rejected.append(RequestOutput(request_id=request_id, new_token_ids=[], logprobs=[],
+                                           finish_reason=FinishReason.ABORT, error=error))
+
+    def reject_undecodable(self, raw: bytes, error: Exception) -> None:
+        """A message that does not fit the protocol: answer its request id if one can be read, else log it."""
+        try:
+            request_id = msgspec.msgpack.decode(raw).get("request_id")
+        except Exception:
+            request_id = None
+        if isinstance(request_id, str):
+            self.reject(request_id, f"invalid request: {error}")
+        else:
+            logger.error("dropped an undecodable engine input: %s", error)
+
+    def to_wire(self, out) -> RequestOutput:  # noqa: ANN001 - an engine_core.EngineCoreOutput
+        self.generation_tokens += len(out.new_token_ids)
+        # The logprobs are runner.sampler.TokenLogprobs dataclasses; msgpack encodes them field by field and the
+        # client decodes them into messages.TokenLogprobs.
+        return RequestOutput(request_id=out.request_id, new_token_ids=out.new_token_ids, logprobs=out.logprobs,
+                             finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens)
+

@@ -1,0 +1,139 @@
+"""The wire protocol between the API process (`AsyncEngineClient`) and the engine process (`core_proc`).
+
+Two ZMQ PUSH/PULL channels carry msgpack-encoded msgspec Structs, each tagged with its type:
+
+- input (client -> engine): `AddRequest`, `AbortRequest`, `StatsRequest`, `ShutdownRequest`;
+- output (engine -> client): `Ready` or `StartupError` once, then `OutputBatch` (one per step that produced
+  anything), `StatsReply`, and `FatalError` just before an engine that failed exits.
+
+No torch here: the API process imports this module without the model stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from deltaserve.engine.stats import EngineStats
+from deltaserve.request import FinishReason
+from deltaserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineInfo:
+    """Facts about the loaded model and cache, sent once by the engine when it is ready."""
+
+    max_model_len: int
+    """Prompt + output tokens of one request, at most."""
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    """The model config's end-of-sequence ids (the frontend adds the tokenizer's own)."""
+    num_blocks: int
+    """MLA KV blocks in the pool."""
+    num_state_slots: int
+    """KDA state slots for running requests (the most requests that can hold cache at once)."""
+    block_size: int
+    """Tokens per KV block."""
+
+
+# -- client -> engine ----------------------------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", frozen=True, kw_only=True):
+    """Queue one sequence (the frontend fans n out, so `params.n` is 1)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+
+
+class AbortRequest(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
+    """End a request now and free its cache: ABORT when the client went away, STOP when the frontend found a stop
+    string. Unknown or finished ids are ignored."""
+
+    request_id: str
+    reason: FinishReason = FinishReason.ABORT
+
+
+class StatsRequest(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
+    """Ask for an `EngineStats` snapshot; answered by a `StatsReply` with the same `request_no`."""
+
+    request_no: int
+
+
+class ShutdownRequest(msgspec.Struct, tag="shutdown", frozen=True):
+    """Exit the engine loop (requests still in flight are dropped)."""
+
+
+EngineInput = AddRequest | AbortRequest | StatsRequest | ShutdownRequest
+
+
+# -- engine -> client ----------------------------------------------------------------------------------------------
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True):
+    """Field for field `runner.sampler.TokenLogprobs` (the engine encodes that dataclass; this decodes it)."""
+
+    token_id: int
+    logprob: float
+    """Of the sampled token, from the raw logits."""
+    rank: int
+    """1 + the number of tokens with a strictly higher logprob."""
+    top: tuple[tuple[int, float], ...]
+    """The `params.logprobs` most likely (token id, logprob) pairs, best first."""
+
+
+class RequestOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
+    """One request's progress in one step, or its rejection (`error` set, `finish_reason` ABORT)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    """One per new token; None where logprobs were not requested."""
+    finish_reason: FinishReason | None = None
+    """Set on the request's last output."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    error: str | None = None
+    """Why the engine rejected the request (bad prompt or params); the request never ran."""
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True, kw_only=True):
+    """The engine built its model and cache and is waiting for requests."""
+
+    info: EngineInfo
+
+
+class StartupError(msgspec.Struct, tag="startup_error", frozen=True, kw_only=True):
+    """Building the engine failed; the process exits after sending this."""
+
+    message: str
+    """The exception, one line ("FileNotFoundError: ...")."""
+    traceback: str = ""
+
+
+class OutputBatch(msgspec.Struct, tag="outputs", frozen=True, kw_only=True):
+    """Everything one engine step produced (plus requests rejected since the previous step)."""
+
+    outputs: list[RequestOutput]
+    step: int
+    """The engine's step counter after this step."""
+
+
+class StatsReply(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
+    request_no: int
+    stats: EngineStats
+
+
+class FatalError(msgspec.Struct, tag="fatal", frozen=True, kw_only=True):
+    """The engine loop failed unexpectedly; the process exits after sending this."""
+
+    message: str
+    """The exception, one line."""
+    traceback: str = ""
+
+
+EngineOutput = Ready | StartupError | OutputBatch | StatsReply | FatalError

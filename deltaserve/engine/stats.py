@@ -1,0 +1,41 @@
+"""`EngineStats`: a snapshot of the engine for metrics (no torch, so the API process can import it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats:
+    """Queue lengths and pool usage now, and cumulative counters since the engine started.
+
+    "Used" blocks and slots are those held by live requests: cached blocks and state checkpoints that no request
+    holds are evictable on demand and count as free, so both are 0 once every request has ended.
+    """
+
+    num_running: int
+    """Requests holding cache memory (admitted, not finished)."""
+    num_waiting: int
+    """Requests queued for admission (new or preempted)."""
+    kv_blocks_used: int
+    kv_blocks_total: int
+    state_slots_used: int
+    """Running KDA state slots held by requests (checkpoint slots are not counted)."""
+    state_slots_total: int
+    prefix_queried_tokens: int
+    """Prompt tokens looked up in the prefix cache (cumulative)."""
+    prefix_hit_tokens: int
+    """Prompt tokens served from the prefix cache (cumulative)."""
+    num_preemptions: int
+    """Times a running request lost its cache and went back to the queue (cumulative)."""
+    steps: int
+    """Engine steps run (cumulative)."""
+    step_seconds: float = 0.0
+    """Wall time inside `EngineCore.step` (cumulative)."""
+    forward_seconds: float = 0.0
+    """Of which the model forward (cumulative)."""
+    prompt_tokens: int = 0
+    """Prompt tokens of accepted requests (cumulative). Counted by the engine process loop (`core_proc`); 0 when
+    `EngineCore` is driven in-process."""
+    generation_tokens: int = 0
+    """Tokens generated (cumulative). Counted by the engine process loop (`core_proc`); 0 in-process."""

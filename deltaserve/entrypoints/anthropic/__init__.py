@@ -1,0 +1,1 @@
+"""Anthropic-compatible route: /v1/messages."""

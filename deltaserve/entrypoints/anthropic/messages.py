@@ -1,0 +1,252 @@
+"""POST /v1/messages: the Anthropic Messages API over the same frontend as the OpenAI routes.
+
+Streaming sends Anthropic's event sequence: message_start, then per content block (thinking, text, tool_use, in
+the order the model produced them) content_block_start / content_block_delta (thinking_delta, text_delta,
+input_json_delta) / content_block_stop, then message_delta (stop_reason, usage) and message_stop.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deltaserve.chat.messages import ChatMessage, ToolSpec
+from deltaserve.entrypoints.anthropic.protocol import ContentBlock, MessagesRequest
+from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
+from deltaserve.entrypoints.server.errors import ApiError, bad_request
+from deltaserve.entrypoints.server.frontend import ChatProcessor, Frontend, SequenceUpdate
+from deltaserve.parsers.types import ToolCall
+from deltaserve.sampling_params import SamplingParams, StructuredOutput
+
+_STOP_REASONS = {"length": "max_tokens", "abort": "end_turn"}
+
+
+def _block_text(blocks: str | list[ContentBlock] | None, param: str) -> str:
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    out = []
+    for i, b in enumerate(blocks):
+        if b.type != "text" or b.text is None:
+            raise bad_request(f"{param}.{i}: only text blocks are supported here, got {b.type!r}")
+        out.append(b.text)
+    return "".join(out)
+
+
+def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
+    """Anthropic system + messages -> the renderers' neutral messages (tool_result blocks become tool messages)."""
+    out = []
+    if body.system:
+        out.append(ChatMessage(role="system", content=_block_text(body.system, "system")))
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append(ChatMessage(role=m.role, content=m.content))
+            continue
+        texts, reasoning, calls = [], [], []
+        for j, b in enumerate(m.content):
+            where = f"messages.{i}.content.{j}"
+            if b.type == "text" and b.text is not None:
+                texts.append(b.text)
+            elif b.type == "tool_result" and m.role == "user":
+                if not b.tool_use_id:
+                    raise bad_request(f"{where}: tool_result needs tool_use_id")
+                out.append(ChatMessage(role="tool", tool_call_id=b.tool_use_id,
+                                       content=_block_text(b.content, f"{where}.content")))
+            elif b.type == "tool_use" and m.role == "assistant":
+                if not b.id or not b.name:
+                    raise bad_request(f"{where}: tool_use needs id and name")
+                calls.append(ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input or {}, ensure_ascii=False)))
+            elif b.type == "thinking" and m.role == "assistant":
+                reasoning.append(b.thinking or "")
+            elif b.type == "redacted_thinking":
+                continue
+            else:
+                raise bad_request(f"{where}: content block type {b.type!r} is not supported in a {m.role} message")
+        if m.role == "assistant":
+            out.append(ChatMessage(role="assistant", content="".join(texts), tool_calls=tuple(calls),
+                                   reasoning="".join(reasoning) if reasoning else None))
+        elif texts:
+            out.append(ChatMessage(role="user", content="".join(texts)))
+    return out
+
+
+class MessagesPlan:
+    """Prompt ids and sampling params of one /v1/messages request."""
+
+    def __init__(self, frontend: Frontend, body: MessagesRequest) -> None:
+        fmt = frontend.chat_format
+        frontend.check_model(body.model)
+        tools = [ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
+                 for t in body.tools or ()]
+        tc = body.tool_choice
+        choice, forced = ("auto" if tools else "none"), None
+        if tc is not None:
+            if tc.type == "tool":
+                if not tc.name or tc.name not in {t.name for t in tools}:
+                    raise bad_request(f"tool_choice names the tool {tc.name!r}, which is not in tools")
+                choice = forced = tc.name
+            elif tc.type == "any":
+                if not tools:
+                    raise bad_request("tool_choice 'any' needs at least one tool")
+                choice = "required"
+            else:
+                choice = tc.type
+        self.thinking = fmt.default_thinking if body.thinking is None else body.thinking.type != "disabled"
+        self.tools_active = bool(tools) and choice != "none"
+        try:
+            self.prompt_ids = fmt.render(to_chat_messages(body), tools=tools, thinking=self.thinking,
+                                         tool_choice=choice)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        if body.max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {body.max_tokens}")
+        max_tokens = frontend.resolve_max_tokens(len(self.prompt_ids), body.max_tokens)
+        structured = None
+        if choice == "required" or forced is not None:
+            parallel = not (tc is not None and tc.disable_parallel_tool_use)
+            structured = fmt.tool_call_grammar(tools, name=forced, parallel=parallel, thinking=self.thinking)
+        elif body.output_config is not None and body.output_config.format is not None:
+            answer = StructuredOutput("json_schema", json.dumps(body.output_config.format.schema_))
+            frontend.validate_structured(answer, param="output_config.format")
+            structured = fmt.constrain(answer, thinking=self.thinking)
+        values: dict[str, Any] = {"max_tokens": max_tokens, "stop": tuple(body.stop_sequences or ()),
+                                  "structured": structured}
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(body, name) is not None:
+                values[name] = getattr(body, name)
+        try:
+            self.params = SamplingParams(**values)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+
+
+def _factory(frontend: Frontend, plan: MessagesPlan):
+    def make(params: SamplingParams) -> ChatProcessor:
+        return ChatProcessor(frontend.chat_format.make_parser(frontend.tokenizer, thinking=plan.thinking,
+                                                              tools=plan.tools_active), params)
+    return make
+
+
+def _stop_reason(reason: str | None, stop_string: str | None, has_tool_calls: bool) -> str:
+    if stop_string is not None:
+        return "stop_sequence"
+    if reason == "stop":
+        return "tool_use" if has_tool_calls else "end_turn"
+    return _STOP_REASONS.get(reason or "", "end_turn")
+
+
+def _tool_input(arguments: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+async def create_message(frontend: Frontend, body: MessagesRequest) -> dict[str, Any]:
+    plan = MessagesPlan(frontend, body)
+    frontend.check_capacity(1)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    acc = ChoiceAccumulator(1)
+    async for update in frontend.generate(message_id, plan.prompt_ids, plan.params, _factory(frontend, plan)):
+        acc.add(update)
+    c = acc.choices[0]
+    content: list[dict[str, Any]] = []
+    if plan.thinking and c.reasoning:
+        content.append({"type": "thinking", "thinking": c.reasoning, "signature": ""})
+    text = c.content
+    calls = []
+    for call in c.tool_calls:
+        args = _tool_input(call.arguments)
+        if args is None:  # unparsable arguments degrade to text
+            text += call.arguments
+        else:
+            calls.append({"type": "tool_use", "id": call.id, "name": call.name, "input": args})
+    if text:
+        content.append({"type": "text", "text": text})
+    content += calls
+    return {"id": message_id, "type": "message", "role": "assistant", "model": frontend.model_name,
+            "content": content, "stop_reason": _stop_reason(c.finish_reason, c.stop_string, bool(calls)),
+            "stop_sequence": c.stop_string,
+            "usage": {"input_tokens": len(plan.prompt_ids), "output_tokens": len(c.token_ids),
+                      "cache_read_input_tokens": acc.num_cached_tokens}}
+
+
+async def create_message_stream(frontend: Frontend, body: MessagesRequest) -> AsyncIterator[str]:
+    plan = MessagesPlan(frontend, body)
+    frontend.check_capacity(1)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    stream = frontend.generate(message_id, plan.prompt_ids, plan.params, _factory(frontend, plan))
+    return _events(frontend, plan, message_id, stream)
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+class _Blocks:
+    """The open content block of a streamed message; a new channel (or tool call) closes it and opens another."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.key: tuple[str, int] | None = None
+
+    def switch(self, key: tuple[str, int], start: dict[str, Any]) -> list[str]:
+        if self.key == key:
+            return []
+        events = self.close()
+        self.index += 1
+        self.key = key
+        return [*events, _event("content_block_start", {"index": self.index, "content_block": start})]
+
+    def close(self) -> list[str]:
+        if self.key is None:
+            return []
+        self.key = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+
+async def _events(frontend: Frontend, plan: MessagesPlan, message_id: str,
+                  stream: AsyncIterator[SequenceUpdate]) -> AsyncIterator[str]:
+    yield _event("message_start", {"message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": frontend.model_name, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": len(plan.prompt_ids), "output_tokens": 0}}})
+    blocks = _Blocks()
+    acc = ChoiceAccumulator(1)
+    try:
+        async for update in stream:
+            acc.add(update)
+            d = update.delta
+            if d.reasoning:
+                for e in blocks.switch(("thinking", 0), {"type": "thinking", "thinking": "", "signature": ""}):
+                    yield e
+                yield _event("content_block_delta", {"index": blocks.index,
+                                                     "delta": {"type": "thinking_delta", "thinking": d.reasoning}})
+            if d.content:
+                for e in blocks.switch(("text", 0), {"type": "text", "text": ""}):
+                    yield e
+                yield _event("content_block_delta", {"index": blocks.index,
+                                                     "delta": {"type": "text_delta", "text": d.content}})
+            for call in d.tool_calls:
+                entry = acc.choices[0].calls[call.index]
+                start = {"type": "tool_use", "id": entry[0], "name": entry[1], "input": {}}
+                for e in blocks.switch(("tool_use", call.index), start):
+                    yield e
+                if call.arguments:
+                    yield _event("content_block_delta", {"index": blocks.index, "delta": {
+                        "type": "input_json_delta", "partial_json": call.arguments}})
+        for e in blocks.close():
+            yield e
+        c = acc.choices[0]
+        yield _event("message_delta", {
+            "delta": {"stop_reason": _stop_reason(c.finish_reason, c.stop_string, bool(c.calls)),
+                      "stop_sequence": c.stop_string},
+            "usage": {"output_tokens": len(c.token_ids)}})
+        yield _event("message_stop", {})
+    except Exception as exc:  # noqa: BLE001 - after the headers went out, an error can only be an event
+        err = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}")
+        yield f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n"
+    finally:
+        await stream.aclose()  # aborts the sequence when the client went away mid-stream

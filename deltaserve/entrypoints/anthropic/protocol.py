@@ -1,0 +1,75 @@
+"""Request body of POST /v1/messages (Anthropic Messages API), as pydantic models."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentBlock(_Model):
+    """Any content block; which fields matter depends on `type` (checked when converting)."""
+
+    type: str
+    text: str | None = None
+    thinking: str | None = None
+    signature: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[ContentBlock] | None = None
+    is_error: bool | None = None
+
+
+class MessageParam(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolDef(_Model):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingConfig(_Model):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class OutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    format: OutputFormat | None = None
+
+
+class MessagesRequest(_Model):
+    model: str
+    max_tokens: int
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[ContentBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    """Structured output: `{"format": {"type": "json_schema", "schema": {...}}}`."""

@@ -1,0 +1,229 @@
+"""POST /v1/chat/completions: render the conversation, generate, parse reasoning and tool calls, respond or stream.
+
+A `tool_choice` of "required" or a named function, and `response_format`, become a grammar the sampler enforces
+(`ChatFormat.tool_call_grammar` / `ChatFormat.constrain`), so even a weak model returns a well-formed answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deltaserve.chat.messages import ChatMessage, ToolSpec
+from deltaserve.entrypoints.openai.logprobs import chat_logprobs
+from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
+from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
+from deltaserve.entrypoints.server.errors import ApiError, bad_request
+from deltaserve.entrypoints.server.frontend import ChatProcessor, Frontend, SequenceUpdate
+from deltaserve.parsers.types import ToolCall
+from deltaserve.sampling_params import SamplingParams, StructuredOutput
+
+
+def to_chat_messages(messages: list[ChatMessageParam]) -> list[ChatMessage]:
+    """OpenAI messages -> the renderers' neutral messages; 400 for content this server cannot render."""
+    out = []
+    for i, m in enumerate(messages):
+        content = _text(m.content, param=f"messages.{i}.content")
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request("a tool message needs tool_call_id", param=f"messages.{i}.tool_call_id")
+            out.append(ChatMessage(role="tool", content=content, tool_call_id=m.tool_call_id, name=m.name))
+        elif m.role == "assistant":
+            calls = tuple(ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                          for c in m.tool_calls or ())
+            out.append(ChatMessage(role="assistant", content=content, name=m.name, tool_calls=calls,
+                                   reasoning=m.reasoning_content or m.reasoning))
+        else:
+            out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=content, name=m.name))
+    return out
+
+
+def _text(content: Any, *, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"content part type {part.type!r} is not supported (only 'text')",
+                              param=f"{param}.{j}.type")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+class ChatPlan:
+    """Everything decided before generation: prompt ids, sampling params, parser settings."""
+
+    def __init__(self, frontend: Frontend, body: ChatCompletionRequest) -> None:
+        fmt = frontend.chat_format
+        frontend.check_model(body.model)
+        tools = [ToolSpec(name=t.function.name, description=t.function.description or "",
+                          parameters=t.function.parameters or {"type": "object", "properties": {}})
+                 for t in body.tools or ()]
+        choice = body.tool_choice or ("auto" if tools else "none")
+        forced = None
+        if isinstance(choice, NamedToolChoice):
+            forced = choice.function.name
+            if forced not in {t.name for t in tools}:
+                raise bad_request(f"tool_choice names the function {forced!r}, which is not in tools",
+                                  param="tool_choice")
+            choice = forced
+        elif choice == "required" and not tools:
+            raise bad_request("tool_choice 'required' needs at least one tool", param="tool_choice")
+        kwargs = body.chat_template_kwargs or {}
+        thinking = kwargs.get("thinking", kwargs.get("enable_thinking", fmt.default_thinking))
+        if not isinstance(thinking, bool):
+            raise bad_request("chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
+        self.thinking = thinking
+        self.tools_active = bool(tools) and choice != "none"
+        try:
+            self.prompt_ids = fmt.render(to_chat_messages(body.messages), tools=tools, thinking=thinking,
+                                         tool_choice=choice)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from exc
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = frontend.resolve_max_tokens(
+            len(self.prompt_ids), requested,
+            param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        structured = None
+        if choice == "required" or forced is not None:
+            structured = fmt.tool_call_grammar(tools, name=forced, parallel=body.parallel_tool_calls,
+                                               thinking=thinking)
+        else:
+            answer = _response_format(body)
+            if answer is not None:
+                frontend.validate_structured(answer, param="response_format")
+                structured = fmt.constrain(answer, thinking=thinking)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise bad_request(f"top_logprobs must be between 0 and 20, got {body.top_logprobs}", param="top_logprobs")
+        self.params: SamplingParams = body.sampling_params(
+            max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            max_n=frontend.config.max_n, structured=structured)
+
+
+def _response_format(body: ChatCompletionRequest) -> StructuredOutput | None:
+    rf = body.response_format
+    if body.guided_regex is not None:
+        return StructuredOutput("regex", body.guided_regex)
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutput("json_object")
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise bad_request("response_format json_schema needs json_schema.schema", param="response_format")
+    return StructuredOutput("json_schema", json.dumps(rf.json_schema.schema_))
+
+
+async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> dict[str, Any]:
+    """The non-streaming response body."""
+    plan = ChatPlan(frontend, body)
+    frontend.check_capacity(plan.params.n)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    acc = ChoiceAccumulator(plan.params.n)
+    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, _processor_factory(frontend, plan))
+    async for update in stream:
+        acc.add(update)
+    choices = []
+    for i in range(plan.params.n):
+        c = acc.choices[i]
+        message: dict[str, Any] = {"role": "assistant", "content": c.content if c.content or not c.tool_calls
+                                   else None}
+        if plan.thinking:
+            message["reasoning_content"] = c.reasoning
+        if c.tool_calls:
+            message["tool_calls"] = [{"id": t.id, "type": "function",
+                                      "function": {"name": t.name, "arguments": t.arguments}}
+                                     for t in c.tool_calls]
+        choices.append({
+            "index": i, "message": message,
+            "logprobs": {"content": chat_logprobs(frontend.tokenizer, c.logprobs)} if plan.params.logprobs is not None
+            else None,
+            "finish_reason": _finish(c.finish_reason, bool(c.tool_calls)),
+        })
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": frontend.model_name,
+            "choices": choices, "usage": acc.usage(len(plan.prompt_ids))}
+
+
+async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest) -> AsyncIterator[str]:
+    """Validate now (errors become HTTP errors), then return the SSE event stream."""
+    plan = ChatPlan(frontend, body)
+    frontend.check_capacity(plan.params.n)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, _processor_factory(frontend, plan))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return _events(frontend, plan, request_id, stream, include_usage)
+
+
+async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: AsyncIterator[SequenceUpdate],
+                  include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    acc = ChoiceAccumulator(plan.params.n)
+    started = [False] * plan.params.n
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                "model": frontend.model_name, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        async for update in stream:
+            acc.add(update)
+            delta: dict[str, Any] = {}
+            if update.delta.reasoning:
+                delta["reasoning_content"] = update.delta.reasoning
+            if update.delta.content:
+                delta["content"] = update.delta.content
+            if update.delta.tool_calls:
+                delta["tool_calls"] = _tool_call_deltas(update)
+            if not delta and update.finish_reason is None:
+                continue  # no empty chunks: the first chunk carries the first visible token
+            if not started[update.index]:
+                started[update.index] = True
+                delta = {"role": "assistant", **delta}
+            choice: dict[str, Any] = {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": None}
+            if plan.params.logprobs is not None and update.logprobs:
+                choice["logprobs"] = {"content": chat_logprobs(frontend.tokenizer, update.logprobs)}
+            if update.finish_reason is not None:
+                c = acc.choices[update.index]
+                choice["finish_reason"] = _finish(update.finish_reason, bool(c.tool_calls))
+            yield chunk([choice])
+        if include_usage:
+            yield chunk([], acc.usage(len(plan.prompt_ids)))
+    except Exception as exc:  # noqa: BLE001 - after the headers went out, an error can only be an event
+        err = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}")
+        yield f"data: {json.dumps(err.openai_body())}\n\n"
+    finally:
+        await stream.aclose()  # aborts sequences still running when the client went away mid-stream
+    yield "data: [DONE]\n\n"
+
+
+def _tool_call_deltas(update: SequenceUpdate) -> list[dict[str, Any]]:
+    merged: dict[int, dict[str, Any]] = {}
+    for d in update.delta.tool_calls:
+        entry = merged.setdefault(d.index, {"index": d.index, "function": {"arguments": ""}})
+        if d.id is not None:
+            entry["id"], entry["type"] = d.id, "function"
+        if d.name is not None:
+            entry["function"]["name"] = d.name
+        entry["function"]["arguments"] += d.arguments
+    return list(merged.values())
+
+
+def _finish(reason: str | None, has_tool_calls: bool) -> str | None:
+    if reason == "stop" and has_tool_calls:
+        return "tool_calls"
+    return reason
+
+
+def _processor_factory(frontend: Frontend, plan: ChatPlan):
+    def make(params: SamplingParams) -> ChatProcessor:
+        parser = frontend.chat_format.make_parser(frontend.tokenizer, thinking=plan.thinking,
+                                                  tools=plan.tools_active)
+        return ChatProcessor(parser, params)
+    return make

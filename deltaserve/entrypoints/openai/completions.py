@@ -1,0 +1,161 @@
+"""POST /v1/completions: one prompt or a batch (text or token ids), streamed or not; choice i*n+j = prompt i, seq j."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deltaserve.entrypoints.openai.logprobs import completion_logprobs
+from deltaserve.entrypoints.openai.protocol import CompletionRequest
+from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
+from deltaserve.entrypoints.server.errors import ApiError, bad_request
+from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, TextProcessor
+from deltaserve.sampling_params import SamplingParams
+
+
+class CompletionPlan:
+    """Prompt ids and sampling params of every prompt in the request."""
+
+    def __init__(self, frontend: Frontend, body: CompletionRequest) -> None:
+        frontend.check_model(body.model)
+        if body.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+            raise bad_request(f"logprobs must be between 0 and 20, got {body.logprobs}", param="logprobs")
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise bad_request("prompt is empty", param="prompt")
+        self.prompts: list[list[int]] = []
+        self.texts: list[str] = []
+        for p in prompts:
+            ids = frontend.tokenizer.encode(p) if isinstance(p, str) else frontend.check_prompt_ids(p)
+            if not ids:
+                raise bad_request("prompt is empty", param="prompt")
+            self.prompts.append(ids)
+            self.texts.append(p if isinstance(p, str) else frontend.tokenizer.decode(ids))
+        self.params: list[SamplingParams] = []
+        for ids in self.prompts:
+            if body.max_tokens is None:  # OpenAI's default for completions: 16, within the context
+                max_tokens = min(16, frontend.resolve_max_tokens(len(ids), None, prompt_param="prompt"))
+            else:
+                max_tokens = frontend.resolve_max_tokens(len(ids), body.max_tokens, prompt_param="prompt")
+            self.params.append(body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs,
+                                                    max_n=frontend.config.max_n))
+        self.n = body.n
+        self.echo = body.echo
+
+
+async def _merge(streams: list[AsyncIterator[SequenceUpdate]], n: int) -> AsyncIterator[SequenceUpdate]:
+    """Interleave the prompts' update streams, renumbering choices to prompt * n + index."""
+    if len(streams) == 1:
+        async for u in streams[0]:
+            yield u
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(p: int, stream: AsyncIterator[SequenceUpdate]) -> None:
+        try:
+            async for u in stream:
+                queue.put_nowait((p, u))
+            queue.put_nowait((p, None))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((p, exc))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
+    try:
+        live = len(streams)
+        while live:
+            p, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield SequenceUpdate(index=p * n + item.index, delta=item.delta, token_ids=item.token_ids,
+                                     logprobs=item.logprobs, finish_reason=item.finish_reason,
+                                     stop_string=item.stop_string, num_cached_tokens=item.num_cached_tokens)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+def _start(frontend: Frontend, plan: CompletionPlan, request_id: str) -> AsyncIterator[SequenceUpdate]:
+    frontend.check_capacity(plan.n * len(plan.prompts))
+    streams = [frontend.generate(f"{request_id}-p{p}", ids, params,
+                                 lambda sp: TextProcessor(frontend.tokenizer, sp))
+               for p, (ids, params) in enumerate(zip(plan.prompts, plan.params, strict=True))]
+    return _merge(streams, plan.n)
+
+
+async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, Any]:
+    plan = CompletionPlan(frontend, body)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    acc = ChoiceAccumulator(plan.n * len(plan.prompts))
+    async for update in _start(frontend, plan, request_id):
+        acc.add(update)
+    choices = []
+    for i, c in enumerate(acc.choices):
+        prefix = plan.texts[i // plan.n] if plan.echo else ""
+        choices.append({"index": i, "text": prefix + c.content, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_string,
+                        "logprobs": completion_logprobs(frontend.tokenizer, c.logprobs, len(prefix))
+                        if body.logprobs is not None else None})
+    prompt_tokens = sum(len(p) for p in plan.prompts)
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": frontend.model_name, "choices": choices, "usage": acc.usage(prompt_tokens)}
+
+
+async def completion_stream(frontend: Frontend, body: CompletionRequest) -> AsyncIterator[str]:
+    plan = CompletionPlan(frontend, body)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    stream = _start(frontend, plan, request_id)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return _events(frontend, plan, body, request_id, stream, include_usage)
+
+
+async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequest, request_id: str,
+                  stream: AsyncIterator[SequenceUpdate], include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    acc = ChoiceAccumulator(plan.n * len(plan.prompts))
+    echoed: set[int] = set()
+    try:
+        async for u in stream:
+            acc.add(u)
+            text = u.delta.content
+            if plan.echo and u.index not in echoed:
+                echoed.add(u.index)
+                text = plan.texts[u.index // plan.n] + text
+            if not text and u.finish_reason is None:
+                continue
+            choice = {"index": u.index, "text": text, "finish_reason": u.finish_reason, "stop_reason": u.stop_string,
+                      "logprobs": completion_logprobs(frontend.tokenizer, u.logprobs)
+                      if body.logprobs is not None else None}
+            event: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                                     "model": frontend.model_name, "choices": [choice]}
+            if include_usage:
+                event["usage"] = None
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        if include_usage:
+            event = {"id": request_id, "object": "text_completion", "created": created, "model": frontend.model_name,
+                     "choices": [], "usage": acc.usage(sum(len(p) for p in plan.prompts))}
+            yield f"data: {json.dumps(event)}\n\n"
+    except Exception as exc:  # noqa: BLE001 - after the headers went out, an error can only be an event
+        err = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}")
+        yield f"data: {json.dumps(err.openai_body())}\n\n"
+    finally:
+        await stream.aclose()  # aborts sequences still running when the client went away mid-stream
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,158 @@
+"""Request bodies of the OpenAI routes (pydantic), and their translation into `SamplingParams`.
+
+Field names and defaults follow the OpenAI API; vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are accepted too.
+Unknown fields are ignored, as the OpenAI API does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deltaserve.entrypoints.server.errors import bad_request
+from deltaserve.sampling_params import SamplingParams, StructuredOutput
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, max_n: int,
+                        structured: StructuredOutput | None = None, skip_special_tokens: bool | None = None
+                        ) -> SamplingParams:
+        """SamplingParams from these fields; 400 naming the field for an invalid value."""
+        if not 1 <= self.n <= max_n:
+            raise bad_request(f"n must be between 1 and {max_n}, got {self.n}", param="n")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        values: dict[str, Any] = {
+            "n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens, "seed": self.seed,
+            "stop": tuple(stop), "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs, "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+            "structured": structured,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        try:
+            return SamplingParams(**values)
+        except ValueError as exc:
+            message = str(exc)
+            param = next((k for k in values if message.startswith(k)), None)
+            raise bad_request(message, param=param) from exc
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallParam(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(_Request):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's structured-output extras
+    guided_regex: str | None = None

@@ -1,0 +1,1 @@
+"""The HTTP server: FastAPI app, shared request plumbing, errors and metrics (OpenAI and Anthropic routes beside)."""

@@ -1,0 +1,61 @@
+"""`ChoiceAccumulator`: joins a request's streamed `SequenceUpdate`s into whole choices (bodies and usage)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltaserve.entrypoints.server.frontend import SequenceUpdate
+from deltaserve.parsers.types import ToolCall
+
+
+@dataclass(slots=True)
+class Choice:
+    """One output sequence, joined."""
+
+    reasoning: str = ""
+    content: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_string: str | None = None
+    calls: dict[int, list[str]] = field(default_factory=dict)
+    """Tool call index -> [id, name, arguments]."""
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [ToolCall(id=i, name=n, arguments=a) for i, n, a in (self.calls[k] for k in sorted(self.calls))]
+
+
+class ChoiceAccumulator:
+    """Accumulates every update of a request with `n` choices."""
+
+    def __init__(self, n: int) -> None:
+        self.choices = [Choice() for _ in range(n)]
+        self.num_cached_tokens = 0
+
+    def add(self, update: SequenceUpdate) -> None:
+        c = self.choices[update.index]
+        c.reasoning += update.delta.reasoning
+        c.content += update.delta.content
+        c.token_ids.extend(update.token_ids)
+        c.logprobs.extend(update.logprobs)
+        for d in update.delta.tool_calls:
+            entry = c.calls.setdefault(d.index, ["", "", ""])
+            if d.id is not None:
+                entry[0] = d.id
+            if d.name is not None:
+                entry[1] = d.name
+            entry[2] += d.arguments
+        if update.finish_reason is not None:
+            c.finish_reason = update.finish_reason
+            c.stop_string = update.stop_string
+        if update.index == 0 and update.num_cached_tokens:
+            self.num_cached_tokens = update.num_cached_tokens
+
+    def usage(self, prompt_tokens: int) -> dict[str, Any]:
+        """OpenAI usage: completion tokens summed over the choices; cached prompt tokens from the prefix cache."""
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}

@@ -1,0 +1,185 @@
+"""The FastAPI app: routes, body limits, auth, error bodies; and `serve()`, which starts the engine and uvicorn.
+
+Every POST route reads its body itself (size limit, malformed JSON, pydantic validation) so each failure has the
+right status and the right error shape: OpenAI's on /v1/completions and /v1/chat/completions, Anthropic's on
+/v1/messages. A non-streaming request is cancelled (and its sequences aborted) when the client disconnects;
+a streaming one when the event stream is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from deltaserve.entrypoints.anthropic.messages import create_message, create_message_stream
+from deltaserve.entrypoints.anthropic.protocol import MessagesRequest
+from deltaserve.entrypoints.openai.chat import chat_completion, chat_completion_stream
+from deltaserve.entrypoints.openai.completions import completion, completion_stream
+from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from deltaserve.entrypoints.server.errors import ApiError, validation_message
+from deltaserve.entrypoints.server.frontend import Frontend
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+def _is_anthropic(request: Request) -> bool:
+    return request.url.path.startswith("/v1/messages")
+
+
+def _error_response(request: Request, err: ApiError) -> JSONResponse:
+    body = err.anthropic_body() if _is_anthropic(request) else err.openai_body()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _authorize(frontend: Frontend, request: Request) -> None:
+    api_key = frontend.config.api_key
+    if not api_key:
+        return
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                       code="invalid_api_key")
+
+
+async def _handle(frontend: Frontend, request: Request, route: str, model: type[BaseModel],
+                  run: Callable[[Frontend, Any], Awaitable[dict[str, Any]]],
+                  run_stream: Callable[[Frontend, Any], Awaitable[AsyncIterator[str]]]) -> Response:
+    try:
+        _authorize(frontend, request)
+        data = await _read_json(request, frontend.config.max_request_bytes)
+        try:
+            body = model.model_validate(data)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise ApiError(422 if _is_type_error(exc) else 400, message, param=param) from exc
+        if getattr(body, "stream", False):
+            events = await run_stream(frontend, body)
+            frontend.metrics.observe_http(route, 200)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        result = await _cancel_on_disconnect(request, run(frontend, body))
+        if result is None:  # the client went away; nobody reads this response
+            frontend.metrics.observe_http(route, 499)
+            return Response(status_code=499)
+        frontend.metrics.observe_http(route, 200)
+        return JSONResponse(result)
+    except ApiError as err:
+        frontend.metrics.observe_http(route, err.status)
+        return _error_response(request, err)
+
+
+def build_app(frontend: Frontend) -> FastAPI:
+    """The ASGI app over a started `Frontend` (its engine client already running)."""
+    app = FastAPI(title="deltaserve", version=VERSION)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+        return _error_response(request, err)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error_response(request, ApiError(500, f"internal server error: {type(exc).__name__}"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(frontend, request, "/v1/completions", CompletionRequest, completion, completion_stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _handle(frontend, request, "/v1/chat/completions", ChatCompletionRequest, chat_completion,
+                             chat_completion_stream)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _handle(frontend, request, "/v1/messages", MessagesRequest, create_message, create_message_stream)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _authorize(frontend, request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": frontend.model_name, "object": "model", "created": int(time.time()), "owned_by": "deltaserve",
+            "max_model_len": frontend.max_model_len}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if frontend.client.is_alive else 503)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": VERSION})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            frontend.metrics.engine.stats = await asyncio.wait_for(frontend.client.get_stats(), timeout=5.0)
+        except Exception:  # noqa: BLE001 - a dead or busy engine must not break the scrape
+            logger.warning("engine stats unavailable for /metrics", exc_info=True)
+        return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _is_type_error(exc: ValidationError) -> bool:
+    """Wrong JSON types / missing fields -> 422; values out of range are 400 like the OpenAI API."""
+    return any(e.get("type", "").endswith(("_type", "missing", "_parsing")) for e in exc.errors())
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return None
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+def default_model_name(model_dir: str) -> str:
+    return Path(model_dir).resolve().name

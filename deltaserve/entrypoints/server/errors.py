@@ -1,0 +1,49 @@
+"""`ApiError`: a client-visible failure with its HTTP status, rendered as an OpenAI or an Anthropic error body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# OpenAI error `type` by status (what the official API and vLLM send).
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                 500: "internal_server_error", 503: "service_unavailable"}
+# Anthropic error `type` by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+class ApiError(Exception):
+    """Raised anywhere in request handling; the app turns it into a JSON error response with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def openai_body(self) -> dict[str, Any]:
+        """`{"error": {"message", "type", "param", "code"}}`."""
+        return {"error": {"message": self.message, "type": _OPENAI_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """`{"type": "error", "error": {"type", "message"}}`."""
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) of pydantic validation errors: the first error names its field path."""
+    first = errors[0]
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{param}: {first.get('msg', 'invalid value')}{more}" if param else first.get("msg", "invalid"), param
