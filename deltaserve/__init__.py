@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from deltaserve.entrypoints.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput"]
 __version__ = "0.1.0"
 
 

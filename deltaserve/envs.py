@@ -8,3 +8,9 @@ import os
 def api_key() -> str | None:
     """`DELTASERVE_API_KEY`: the bearer key the server requires when `--api-key` is not given."""
     return os.environ.get("DELTASERVE_API_KEY") or None
+
+
+def mxfp8_activations() -> bool:
+    """`DELTASERVE_MXFP8_ACTIVATIONS=1`: round the inputs of MXFP4 expert GEMMs through MXFP8 (E4M3 with an E8M0
+    scale per 32), emulating an MXFP4 x MXFP8 kernel (model-spec §10.4). Off by default (bf16/fp32 activations)."""
+    return os.environ.get("DELTASERVE_MXFP8_ACTIVATIONS", "").strip().lower() in ("1", "true", "yes", "on")

@@ -21,6 +21,16 @@ TINY_VARIANTS: dict[str, TinySpec] = {
     "no-dense-4groups": TinySpec(
         layers=4, first_k_dense=0, experts=12, top_k=3, num_expert_group=4, topk_group=2, seed=3,
     ),
+    # Kimi K3 (model-spec §1, §3-§7, §10): q-LoRA and 2 shared experts as K3, MXFP4 experts, Block AttnRes of 3 layers.
+    "k3": TinySpec(arch="kimi_k3", q_lora_rank=48, shared_experts=2, routed_scaling_factor=1.0, seed=4),
+    "k3-gpt-oss": TinySpec(arch="kimi_k3", q_lora_rank=48, shared_experts=2, routed_scaling_factor=1.0, seed=4,
+                           expert_format="gpt-oss"),
+    "k3-odd": TinySpec(
+        arch="kimi_k3", layers=5, hidden=72, kda_heads=3, kda_head_dim=24, mla_heads=3, qk_nope_head_dim=20,
+        qk_rope_head_dim=12, v_head_dim=28, kv_lora_rank=40, experts=7, top_k=3, num_expert_group=1, topk_group=1,
+        intermediate=136, moe_intermediate=64, latent_size=32, first_k_dense=2, attn_res_block_size=2, vocab=700,
+        seed=5, shard_bytes=300_000,
+    ),
 }
 
 

@@ -118,6 +118,19 @@ class BlockPool:
                 del self._partials[parent]
             rec.partial_key = None
 
+    def reset_cache(self) -> int:
+        """Forget every cached prefix (held blocks stay with their requests, just no longer findable).
+
+        Returns the number of blocks uncached."""
+        n = 0
+        for b, rec in enumerate(self._blocks):
+            if rec.cached:
+                self._uncache(b)
+                n += 1
+        self._free_plain.extend(self._free_cached)
+        self._free_cached.clear()
+        return n
+
     def is_free(self, block: int) -> bool:
         """Unreferenced (cached and evictable, or plain)."""
         return self._blocks[block].ref == 0

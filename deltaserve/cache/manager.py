@@ -296,6 +296,13 @@ class CacheManager:
         return CacheUsage(num_blocks=self.blocks.num_blocks, num_free_blocks=self.blocks.num_free,
                           num_slots=self.slots.num_slots, num_free_slots=self.slots.num_free)
 
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forget every cached KV block and every unpinned state checkpoint (benchmarks flush between rounds).
+
+        Running requests keep what they hold; outputs do not change, later requests just miss. Returns
+        (blocks uncached, checkpoints dropped)."""
+        return self.blocks.reset_cache(), self.checkpoints.clear()
+
     def prefix_stats(self) -> PrefixCacheStats:
         n = len(self.checkpoints)
         return PrefixCacheStats(

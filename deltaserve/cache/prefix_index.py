@@ -64,6 +64,13 @@ class CheckpointIndex:
         self._entries[key] = Checkpoint(key=key, length=length, slot=slot)
         self.num_stored_total += 1
 
+    def clear(self) -> int:
+        """Drop every unpinned checkpoint; returns how many were dropped."""
+        n = 0
+        while self._evict_one():
+            n += 1
+        return n
+
     def _evict_one(self) -> bool:
         for key, entry in self._entries.items():
             if entry.pins == 0:

@@ -1,10 +1,19 @@
 """Frozen configuration dataclasses: the model (from a checkpoint's config.json) and the engine's arguments."""
 
 from deltaserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
-from deltaserve.config.model import ConfigError, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+from deltaserve.config.model import (
+    ActivationConfig,
+    ConfigError,
+    KDAConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    QuantizationConfig,
+)
 from deltaserve.config.server import ServerConfig
 
 __all__ = [
+    "ActivationConfig",
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
@@ -12,6 +21,7 @@ __all__ = [
     "MLAConfig",
     "ModelConfig",
     "MoEConfig",
+    "QuantizationConfig",
     "SchedulerConfig",
     "ServerConfig",
     "parse_memory",

@@ -11,8 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("KimiLinearForCausalLM",)
-SUPPORTED_MODEL_TYPES = ("kimi_linear",)
+K3_ARCHITECTURE = "KimiK3ForConditionalGeneration"
+# Top-level `architectures[0]` -> the top-level `model_type` it must come with. K3 nests its text model under
+# `text_config`, whose own model_type is "kimi_linear": dispatch never looks inside (model-spec §1.1).
+_MODEL_TYPES = {"KimiLinearForCausalLM": "kimi_linear", K3_ARCHITECTURE: "kimi_k3"}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = tuple(_MODEL_TYPES.values())
+MXFP4_FORMAT = "mxfp4-pack-quantized"
 
 
 class ConfigError(ValueError):
@@ -91,11 +96,41 @@ class MoEConfig:
     """Renormalise the selected weights to sum to one (`moe_renormalize`)."""
     routed_scaling_factor: float
     """Multiplies the routed weights."""
+    latent_size: int | None = None
+    """K3 LatentMoE (`routed_expert_hidden_size`): routed experts run in this width, between a down projection of
+    the hidden state and an up projection back; None (Kimi Linear): experts on the full hidden width."""
+    latent_use_norm: bool = False
+    """RMSNorm on the routed sum before the up projection (`latent_moe_use_norm`, K3)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivationConfig:
+    """The gated activation of every MLP and expert (`hidden_act`)."""
+
+    kind: str = "silu"
+    """"silu": SiLU-GLU (Kimi Linear); "situ": SiTU (K3, model-spec §6)."""
+    situ_beta: float = 1.0
+    """SiTU beta_1 (`activation_situ_beta`; null reads as 1.0, as NeMo does)."""
+    situ_linear_beta: float | None = None
+    """SiTU beta_2 (`activation_situ_linear_beta`); None leaves the up projection unbounded."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuantizationConfig:
+    """How a K3 checkpoint stores its routed-expert weights (`text_config.quantization_config`): MXFP4 (E2M1 values,
+    one E8M0 scale per 32 inputs). Every other tensor is unquantised, whatever `ignore` lists (model-spec §9.2)."""
+
+    layout: str
+    """"compressed-tensors" (`mxfp4-pack-quantized`: per expert `w{1,2,3}.weight_packed` / `weight_scale`) or
+    "gpt-oss" (`quant_method: mxfp4`: stacked `experts.{gate_up,down}_proj_blocks` / `_scales`, gate and up rows
+    interleaved)."""
+    ignore: tuple[str, ...] = ()
+    """The checkpoint's list of unquantised modules (informational)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
-    """The text model of a Kimi Linear checkpoint, read from its config.json with Moonshot field names."""
+    """The text model of a Kimi Linear or Kimi K3 checkpoint, read from its config.json with Moonshot field names."""
 
     architecture: str
     """The top-level `architectures[0]`; selects the model class in `models.registry`."""
@@ -121,6 +156,11 @@ class ModelConfig:
     """`model_max_length` (or `max_position_embeddings`)."""
     torch_dtype: str
     """The checkpoint's stored dtype name, e.g. "bfloat16"."""
+    activation: ActivationConfig = ActivationConfig()
+    attn_res_block_size: int | None = None
+    """K3 Block Attention Residuals: decoder layers per block (`attn_res_block_size`); None: plain residuals."""
+    quantization: QuantizationConfig | None = None
+    """K3 MXFP4 routed experts; None: every weight is stored unquantised."""
 
     @property
     def kda_layer_ids(self) -> tuple[int, ...]:
@@ -144,39 +184,35 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Validate a config.json dict (Moonshot names; transformers' aliases accepted)."""
-        _check_architecture(raw)
-        f = _Fields(raw)
+        """Validate a config.json dict (Moonshot names; transformers' aliases accepted).
+
+        Dispatch is on the top-level `architectures` / `model_type`. Kimi K3 keeps its text model (and its
+        `quantization_config`) under `text_config`, whose own `model_type` says kimi_linear; errors about K3 fields
+        name them with the `text_config.` prefix.
+        """
+        architecture = _check_architecture(raw)
+        is_k3 = architecture == K3_ARCHITECTURE
+        text = _text_config(raw) if is_k3 else raw
+        f = _Fields(text, prefix="text_config." if is_k3 else "")
         num_layers = f.as_int("num_hidden_layers")
         linear = f.as_dict("linear_attn_config")
-        lf = _Fields(linear, prefix="linear_attn_config.")
-        layer_kinds = _layer_kinds(lf, num_layers, raw.get("layer_types"))
+        lf = _Fields(linear, prefix=f"{f.prefix}linear_attn_config.")
+        layer_kinds = _layer_kinds(lf, num_layers, text.get("layer_types"))
         num_heads = f.as_int("num_attention_heads")
-        kv_heads = raw.get("num_key_value_heads")
+        kv_heads = text.get("num_key_value_heads")
         if kv_heads is not None and kv_heads != num_heads:
-            raise ConfigError(f"num_key_value_heads={kv_heads} must equal num_attention_heads={num_heads} (MLA)")
-        if raw.get("mla_use_nope", True) is not True:
-            raise ConfigError("mla_use_nope must be true: only NoPE MLA is supported")
-        if raw.get("moe_layer_freq", 1) != 1:
-            raise ConfigError(f"moe_layer_freq={raw['moe_layer_freq']} is not supported (supported: 1)")
-        moe = MoEConfig(
-            num_experts=f.as_int("num_experts", "num_local_experts"),
-            top_k=f.as_int("num_experts_per_token", "num_experts_per_tok"),
-            intermediate_size=f.as_int("moe_intermediate_size"),
-            num_shared_experts=f.as_int("num_shared_experts", "n_shared_experts", default=0),
-            scoring_func=f.as_str("moe_router_activation_func", default="sigmoid"),
-            num_expert_group=f.as_int("num_expert_group", "n_group", default=1),
-            topk_group=f.as_int("topk_group", default=1),
-            renormalize=f.as_bool("moe_renormalize", "norm_topk_prob", default=True),
-            routed_scaling_factor=f.as_float("routed_scaling_factor", default=1.0),
-        )
-        _check_moe(moe)
-        hidden_act = f.as_str("hidden_act", default="silu")
-        if hidden_act != "silu":
-            raise ConfigError(f"hidden_act={hidden_act!r} is not supported for kimi_linear (supported: 'silu')")
-        eos = raw.get("eos_token_id")
+            raise ConfigError(
+                f"{f.prefix}num_key_value_heads={kv_heads} must equal num_attention_heads={num_heads} (MLA)"
+            )
+        if text.get("mla_use_nope", True) is not True:
+            raise ConfigError(f"{f.prefix}mla_use_nope must be true: only NoPE MLA is supported")
+        if text.get("moe_layer_freq", 1) != 1:
+            raise ConfigError(f"{f.prefix}moe_layer_freq={text['moe_layer_freq']} is not supported (supported: 1)")
+        moe = _moe(f, is_k3)
+        _check_moe(moe, f.prefix)
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
         return cls(
-            architecture=raw["architectures"][0],
+            architecture=architecture,
             vocab_size=f.as_int("vocab_size"),
             hidden_size=f.as_int("hidden_size"),
             num_hidden_layers=num_layers,
@@ -189,7 +225,7 @@ class ModelConfig:
                 num_heads=lf.as_int("num_heads"),
                 head_dim=lf.as_int("head_dim"),
                 conv_kernel_size=lf.as_int("short_conv_kernel_size", default=4),
-                gate_lower_bound=linear.get("gate_lower_bound"),
+                gate_lower_bound=_lower_bound(lf),
                 use_full_rank_gate=bool(linear.get("use_full_rank_gate", False)),
             ),
             mla=MLAConfig(
@@ -202,11 +238,14 @@ class ModelConfig:
                 use_output_gate=f.as_bool("mla_use_output_gate", default=False),
             ),
             moe=moe,
-            bos_token_id=raw.get("bos_token_id"),
+            bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-            pad_token_id=raw.get("pad_token_id"),
+            pad_token_id=text.get("pad_token_id", raw.get("pad_token_id")),
             max_model_len=f.as_int("model_max_length", "max_position_embeddings", default=1 << 20),
-            torch_dtype=f.as_str("torch_dtype", "dtype", default="bfloat16"),
+            torch_dtype=f.as_str("torch_dtype", "dtype", default=raw.get("torch_dtype", "bfloat16")),
+            activation=_activation(f, is_k3),
+            attn_res_block_size=f.as_int("attn_res_block_size", default=None) if is_k3 else None,
+            quantization=_quantization(text, raw, f.prefix, is_k3),
         )
 
 
@@ -236,8 +275,10 @@ class _Fields:
             raise ConfigError(f"config field {self.prefix}{name}={value!r} must be an integer >= {minimum}")
         return value
 
-    def as_float(self, *names: str, default: Any = _MISSING) -> float:
+    def as_float(self, *names: str, default: Any = _MISSING) -> Any:
         name, value = self._get(names, default)
+        if value is None and default is None:
+            return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"config field {self.prefix}{name}={value!r} must be a number")
         return float(value)
@@ -264,7 +305,8 @@ class _Fields:
         return value
 
 
-def _check_architecture(raw: dict[str, Any]) -> None:
+def _check_architecture(raw: dict[str, Any]) -> str:
+    """The top-level architecture, checked against the top-level model_type."""
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs:
         raise ConfigError(f"config field architectures is missing (supported: {list(SUPPORTED_ARCHITECTURES)})")
@@ -276,6 +318,107 @@ def _check_architecture(raw: dict[str, Any]) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"config field model_type={model_type!r} is not supported (supported: {list(SUPPORTED_MODEL_TYPES)})"
+        )
+    if model_type != _MODEL_TYPES[archs[0]]:
+        raise ConfigError(
+            f"config field model_type={model_type!r} does not match architectures={archs} "
+            f"(expected {_MODEL_TYPES[archs[0]]!r})"
+        )
+    return archs[0]
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"config field text_config is missing or not an object ({K3_ARCHITECTURE} keeps its "
+                          "language model there)")
+    return text
+
+
+def _moe(f: _Fields, is_k3: bool) -> MoEConfig:
+    return MoEConfig(
+        num_experts=f.as_int("num_experts", "num_local_experts"),
+        top_k=f.as_int("num_experts_per_token", "num_experts_per_tok"),
+        intermediate_size=f.as_int("moe_intermediate_size"),
+        num_shared_experts=f.as_int("num_shared_experts", "n_shared_experts", default=0),
+        scoring_func=f.as_str("moe_router_activation_func", default="sigmoid"),
+        num_expert_group=f.as_int("num_expert_group", "n_group", default=1),
+        topk_group=f.as_int("topk_group", default=1),
+        renormalize=f.as_bool("moe_renormalize", "norm_topk_prob", default=True),
+        routed_scaling_factor=f.as_float("routed_scaling_factor", default=1.0),
+        latent_size=f.as_int("routed_expert_hidden_size") if is_k3 else None,
+        latent_use_norm=f.as_bool("latent_moe_use_norm", default=True) if is_k3 else False,
+    )
+
+
+def _lower_bound(lf: _Fields) -> float | None:
+    bound = lf.as_float("gate_lower_bound", default=None)
+    if bound is not None and bound >= 0:
+        raise ConfigError(f"config field {lf.prefix}gate_lower_bound={bound} must be negative")
+    return bound
+
+
+def _activation(f: _Fields, is_k3: bool) -> ActivationConfig:
+    """SiLU-GLU for Kimi Linear, SiTU for K3 (model-spec §6); the KDA short conv uses SiLU either way (§3.1)."""
+    expected = "situ" if is_k3 else "silu"
+    hidden_act = f.as_str("hidden_act", default=expected)
+    if hidden_act != expected:
+        raise ConfigError(
+            f"config field {f.prefix}hidden_act={hidden_act!r} is not supported for "
+            f"{K3_ARCHITECTURE if is_k3 else 'KimiLinearForCausalLM'} (supported: {expected!r})"
+        )
+    if not is_k3:
+        return ActivationConfig()
+    beta = f.as_float("activation_situ_beta", default=None)
+    linear_beta = f.as_float("activation_situ_linear_beta", default=None)
+    for name, value in (("activation_situ_beta", beta), ("activation_situ_linear_beta", linear_beta)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"config field {f.prefix}{name}={value} must be positive")
+    return ActivationConfig(kind="situ", situ_beta=1.0 if beta is None else beta, situ_linear_beta=linear_beta)
+
+
+def _quantization(text: dict[str, Any], raw: dict[str, Any], prefix: str, is_k3: bool) -> QuantizationConfig | None:
+    """K3's MXFP4 `quantization_config` (inside `text_config`; a top-level copy is read if the text one is absent)."""
+    if "quantization_config" not in text and is_k3 and "quantization_config" in raw:
+        text, prefix = raw, ""
+    q = text.get("quantization_config")
+    name = f"{prefix}quantization_config"
+    if q is None:
+        return None
+    if not is_k3:
+        raise ConfigError(f"config field {name} is not supported for KimiLinearForCausalLM (unquantised weights only)")
+    if not isinstance(q, dict):
+        raise ConfigError(f"config field {name} must be an object")
+    method = _Fields(q, prefix=f"{name}.").as_str("quant_method")
+    if method == "mxfp4":
+        return QuantizationConfig(layout="gpt-oss", ignore=tuple(q.get("modules_to_not_convert") or ()))
+    if method != "compressed-tensors":
+        raise ConfigError(
+            f"config field {name}.quant_method={method!r} is not supported (supported: 'compressed-tensors' with "
+            f"format {MXFP4_FORMAT!r}, 'mxfp4' for the gpt-oss layout)"
+        )
+    groups = q.get("config_groups") or {}
+    formats = {g.get("format") for g in groups.values() if isinstance(g, dict)} | {q.get("format")}
+    formats.discard(None)
+    if formats != {MXFP4_FORMAT}:
+        raise ConfigError(
+            f"config field {name}.format={sorted(formats) if len(formats) != 1 else formats.pop()!r} is not "
+            f"supported (supported: {MXFP4_FORMAT!r})"
+        )
+    for group_name, group in groups.items():
+        _check_mxfp4_group(group, f"{name}.config_groups.{group_name}")
+    return QuantizationConfig(layout="compressed-tensors", ignore=tuple(q.get("ignore") or ()))
+
+
+def _check_mxfp4_group(group: Any, name: str) -> None:
+    weights = (group.get("weights") or {}) if isinstance(group, dict) else {}
+    for key, want in (("num_bits", 4), ("type", "float"), ("group_size", 32)):
+        if weights.get(key, want) != want:
+            raise ConfigError(f"config field {name}.weights.{key}={weights[key]!r} is not MXFP4 (expected {want!r})")
+    if isinstance(group, dict) and group.get("input_activations") is not None:
+        raise ConfigError(
+            f"config field {name}.input_activations must be null: stored activation quantisation is not supported "
+            "(MXFP8 activation rounding is a run-time option)"
         )
 
 
@@ -310,23 +453,23 @@ def _layer_kinds(lf: _Fields, num_layers: int, layer_types: Any) -> tuple[str, .
     return tuple(k for k in kinds if k is not None)
 
 
-def _check_moe(moe: MoEConfig) -> None:
+def _check_moe(moe: MoEConfig, prefix: str = "") -> None:
     if moe.scoring_func not in ("sigmoid", "softmax"):
         raise ConfigError(
-            f"config field moe_router_activation_func={moe.scoring_func!r} is not supported "
+            f"config field {prefix}moe_router_activation_func={moe.scoring_func!r} is not supported "
             "(supported: 'sigmoid', 'softmax')"
         )
     if moe.num_experts % moe.num_expert_group:
         raise ConfigError(
-            f"config field num_expert_group={moe.num_expert_group} must divide num_experts={moe.num_experts}"
+            f"config field {prefix}num_expert_group={moe.num_expert_group} must divide num_experts={moe.num_experts}"
         )
     if moe.topk_group > moe.num_expert_group:
-        raise ConfigError(f"config field topk_group={moe.topk_group} exceeds num_expert_group")
+        raise ConfigError(f"config field {prefix}topk_group={moe.topk_group} exceeds num_expert_group")
     group_size = moe.num_experts // moe.num_expert_group
     if moe.num_expert_group > 1 and group_size < 2:
-        raise ConfigError("config field num_expert_group leaves fewer than 2 experts per group")
+        raise ConfigError(f"config field {prefix}num_expert_group leaves fewer than 2 experts per group")
     if moe.top_k > moe.topk_group * group_size:
         raise ConfigError(
-            f"config field num_experts_per_token={moe.top_k} exceeds the experts in topk_group groups "
+            f"config field {prefix}num_experts_per_token={moe.top_k} exceeds the experts in topk_group groups "
             f"({moe.topk_group} x {group_size})"
         )

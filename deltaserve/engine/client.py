@@ -77,7 +77,8 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineRequestError(ValueError):
-    """The engine rejected this request (bad prompt or parameters); the engine itself keeps serving."""
+    """The engine rejected this request (bad prompt or parameters) or ended it with an error (its grammar failed to
+    compile or rejected a token); the engine itself keeps serving."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,9 @@ class AsyncEngineClient:
         """Set once the engine process has exited: why."""
         self._closing = False
         self._exited = asyncio.Event()
+        """Set when the engine process has exited (and every waiter has been failed)."""
+        self._closed = asyncio.Event()
+        """Set when `shutdown` has finished."""
         self._output_fd = output_socket.getsockopt(zmq.FD)
         self._finalizer = weakref.finalize(self, _kill_and_clean, process, socket_dir)
         self._loop.add_reader(self._output_fd, self._on_readable)
@@ -234,25 +238,28 @@ class AsyncEngineClient:
         """Ask the engine to exit, wait for it (terminate it if it does not), close the sockets. Idempotent;
         requests still in flight fail with EngineDeadError."""
         if self._closing:
-            await self._exited.wait()
+            await self._closed.wait()
             return
         self._closing = True
-        if self._dead_reason is None:
-            self._send(ShutdownRequest())
-        for stop in (None, self._process.terminate, self._process.kill):
-            if stop is not None:
-                logger.warning("engine process %d did not exit: %s", self._process.pid, stop.__name__)
-                stop()
-            try:
-                await asyncio.wait_for(self._exited.wait(), SHUTDOWN_TIMEOUT_S)
-                break
-            except TimeoutError:
-                continue
-        self._loop.remove_reader(self._output_fd)
-        self._input.close()
-        self._output.close()
-        self._ctx.term()
-        self._finalizer()  # joins the process, removes the socket directory
+        try:
+            if self._dead_reason is None:
+                self._send(ShutdownRequest())
+            for stop in (None, self._process.terminate, self._process.kill):
+                if stop is not None:
+                    logger.warning("engine process %d did not exit: %s", self._process.pid, stop.__name__)
+                    stop()
+                try:
+                    await asyncio.wait_for(self._exited.wait(), SHUTDOWN_TIMEOUT_S)
+                    break
+                except TimeoutError:
+                    continue
+        finally:
+            self._loop.remove_reader(self._output_fd)
+            self._input.close()
+            self._output.close()
+            self._ctx.term()
+            self._finalizer()  # kills the process if it still runs, joins it, removes the socket directory
+            self._closed.set()
 
     # -- internals -----------------------------------------------------------------------------------------------
 
@@ -305,9 +312,10 @@ class AsyncEngineClient:
     def _on_exit(self) -> None:
         """The engine process exited: deliver what it sent last, then fail every waiter."""
         self._loop.remove_reader(self._process.sentinel)
-        if not self._closing:
-            self._output.poll(100)  # a FatalError sent just before exiting may still be on its way
-        self._on_readable()
+        if not self._output.closed:
+            if not self._closing:
+                self._output.poll(100)  # a FatalError sent just before exiting may still be on its way
+            self._on_readable()
         self._process.join(1)
         if self._closing:
             reason = "the engine was shut down"

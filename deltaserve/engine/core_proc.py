@@ -143,11 +143,8 @@ class EngineProc:
 
     def handle_inputs(self) -> bool:
         """Apply every input that has arrived, without waiting; False on a shutdown request."""
-        while True:
-            try:
-                raw = self.inputs.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
+        while self.inputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a recv that raises zmq.Again
+            raw = self.inputs.recv(zmq.NOBLOCK)
             try:
                 msg = self.decoder.decode(raw)
             except msgspec.DecodeError as e:  # ValidationError too (e.g. invalid SamplingParams)
@@ -156,6 +153,7 @@ class EngineProc:
             if isinstance(msg, ShutdownRequest):
                 return False
             self.handle(msg)
+        return True
 
     def handle(self, msg: AddRequest | AbortRequest | StatsRequest) -> None:
         if isinstance(msg, AddRequest):
@@ -184,7 +182,7 @@ class EngineProc:
 
     def reject(self, request_id: str, error: str) -> None:
         self.rejected.append(RequestOutput(request_id=request_id, new_token_ids=[], logprobs=[],
-                                           finish_reason=FinishReason.ABORT, error=error))
+                                           finish_reason=FinishReason.ERROR, error=error))
 
     def reject_undecodable(self, raw: bytes, error: Exception) -> None:
         """A message that does not fit the protocol: answer its request id if one can be read, else log it."""
@@ -202,5 +200,6 @@ class EngineProc:
         # The logprobs are runner.sampler.TokenLogprobs dataclasses; msgpack encodes them field by field and the
         # client decodes them into messages.TokenLogprobs.
         return RequestOutput(request_id=out.request_id, new_token_ids=out.new_token_ids, logprobs=out.logprobs,
-                             finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens)
+                             finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
+                             error=out.error)
 

@@ -147,6 +147,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.structured.num_pending > 0
 
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Forget every cached KV block and state checkpoint (running requests are unaffected).
+
+        Returns (blocks uncached, checkpoints dropped)."""
+        return self.cache.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         """A snapshot for metrics (named `get_stats` because `self.stats` holds the step timings)."""
         usage, prefix = self.cache.usage(), self.cache.prefix_stats()

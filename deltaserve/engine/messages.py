@@ -87,7 +87,7 @@ class TokenLogprobs(msgspec.Struct, frozen=True):
 
 
 class RequestOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
-    """One request's progress in one step, or its rejection (`error` set, `finish_reason` ABORT)."""
+    """One request's progress in one step, or its end by an error (`error` set, `finish_reason` ERROR)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -98,7 +98,8 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     error: str | None = None
-    """Why the engine rejected the request (bad prompt or params); the request never ran."""
+    """Why the engine rejected the request (bad prompt or params: it never ran) or ended it (its grammar failed
+    to compile or rejected a token); None otherwise."""
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, kw_only=True):

@@ -1,4 +1,4 @@
-"""The `deltaserve` command: `serve`, `generate`, `make-tiny` and `bench`.
+"""The `deltaserve` command: `serve`, `generate`, `make-tiny`, `quantize` and `bench`.
 
 This module is the composition root of the command line, so it may import any layer (lazily, per subcommand).
 """
@@ -50,13 +50,22 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
     from deltaserve.utils.cli_args import dataclass_from_args
 
-    out = write_tiny_checkpoint(args.out_dir, dataclass_from_args(TinySpec, args))
-    print(f"wrote a tiny Kimi Linear checkpoint to {out}")
+    spec = dataclass_from_args(TinySpec, args)
+    out = write_tiny_checkpoint(args.out_dir, spec)
+    print(f"wrote a tiny {'Kimi K3' if spec.arch == 'kimi_k3' else 'Kimi Linear'} checkpoint to {out}")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from deltaserve.models.quantize import quantize_checkpoint
+
+    out = quantize_checkpoint(args.src, args.dst)
+    print(f"wrote {out} with MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized)")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltaserve.bench import followup, http_overhead, offline, trace_replay
+    from deltaserve.bench import followup, http_overhead, offline, serve, sweep, trace_replay
     from deltaserve.config import CacheConfig, SchedulerConfig, ServerConfig
     from deltaserve.models.tiny import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
@@ -92,10 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(engine, SchedulerConfig)
     gen.set_defaults(func=_generate)
 
-    tiny = sub.add_parser("make-tiny", help="write a tiny random Kimi Linear checkpoint (no network needed)")
+    tiny = sub.add_parser("make-tiny", help="write a tiny random Kimi Linear or Kimi K3 checkpoint (no network needed)")
     tiny.add_argument("out_dir", help="output directory")
     add_dataclass_args(tiny, TinySpec, aliases={"top_k": "top-k"})
     tiny.set_defaults(func=_make_tiny)
+
+    quant = sub.add_parser("quantize", help="copy a Kimi K3 checkpoint with its routed experts in MXFP4")
+    quant.add_argument("src", help="K3 checkpoint directory with unquantised routed experts")
+    quant.add_argument("dst", help="output directory")
+    quant.set_defaults(func=_quantize)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -103,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     trace_replay.add_parser(bench_sub)
     followup.add_parser(bench_sub)
     http_overhead.add_parser(bench_sub)
+    serve.add_parser(bench_sub)
+    sweep.add_parser(bench_sub)
     return parser
 
 

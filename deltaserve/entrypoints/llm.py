@@ -41,12 +41,13 @@ class LLM:
         dtype: "float32" or "bfloat16" (router, gates and KDA state stay fp32).
         max_model_len: cap on prompt + output tokens (defaults to the model's own limit).
         seed: seed of the generator shared by unseeded sampling requests.
+        structured_output_backend: "llguidance" (default) or "xgrammar", for `SamplingParams.structured`.
         **engine_args: fields of `CacheConfig` (block_size, cache_memory, num_blocks, num_state_slots) and
             `SchedulerConfig` (max_num_batched_tokens, max_num_seqs, policy, watchdog_timeout_s).
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
-                 seed: int = 0, **engine_args: Any) -> None:
+                 seed: int = 0, structured_output_backend: str = "llguidance", **engine_args: Any) -> None:
         if model is None:
             raise ValueError("model is required: pass a checkpoint directory (make one with `deltaserve make-tiny`)")
         cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -57,6 +58,7 @@ class LLM:
                              f"(supported: {sorted(cache_fields | sched_fields)})")
         config = EngineConfig(
             model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
+            structured_output_backend=structured_output_backend,
             cache=CacheConfig(**{k: v for k, v in engine_args.items() if k in cache_fields}),
             scheduler=SchedulerConfig(**{k: v for k, v in engine_args.items() if k in sched_fields}),
         )

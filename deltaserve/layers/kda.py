@@ -16,9 +16,14 @@ from deltaserve.ops.short_conv import short_conv_decode, short_conv_prefill
 class KDAttention(nn.Module):
     """One KDA mixer (model-spec §3). Decode rows use the recurrent form, prefill rows the chunked form."""
 
-    def __init__(self, cfg: KDAConfig, hidden_size: int, rms_norm_eps: float, layer_id: int, dtype: torch.dtype):
+    def __init__(self, cfg: KDAConfig, hidden_size: int, rms_norm_eps: float, layer_id: int, dtype: torch.dtype, *,
+                 a_log_size: int | None = None, k3_precision: bool = False):
+        """`a_log_size`: None stores `A_log` as [1, 1, H, 1] (Kimi Linear); an int stores a flat vector of that
+        size whose first H entries are used (K3: H rounded up to 128, zero-padded). `k3_precision`: the conv and
+        `o_norm` weights stay fp32 whatever `dtype` (K3 stores them in fp32, so its conv runs in fp32) and beta's
+        sigmoid is taken in fp32 (NeMo's K3; transformers' Kimi Linear takes it in the model dtype)."""
         super().__init__()
-        self.cfg, self.eps, self.layer_id = cfg, rms_norm_eps, layer_id
+        self.cfg, self.eps, self.layer_id, self.k3_precision = cfg, rms_norm_eps, layer_id, k3_precision
         p, dh, h = cfg.proj_dim, cfg.head_dim, cfg.num_heads
         # Every projection that reads x is one GEMM: q, k, v, the decay-gate input, beta and the output gate.
         gate = [("g_proj", p)] if cfg.use_full_rank_gate else [("g_a_proj", dh)]
@@ -26,16 +31,18 @@ class KDAttention(nn.Module):
             hidden_size, [("q_proj", p), ("k_proj", p), ("v_proj", p), ("f_a_proj", dh), ("b_proj", h), *gate], dtype
         )
         # Kept as three checkpoint tensors [P, 1, K]; concatenated per step (tiny) so conv state is one window.
-        self.q_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=dtype), requires_grad=False)
-        self.k_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=dtype), requires_grad=False)
-        self.v_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=dtype), requires_grad=False)
+        conv_dtype = torch.float32 if k3_precision else dtype
+        self.q_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=conv_dtype), requires_grad=False)
+        self.k_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=conv_dtype), requires_grad=False)
+        self.v_conv1d = nn.Parameter(torch.empty(p, 1, cfg.conv_kernel_size, dtype=conv_dtype), requires_grad=False)
         self.f_b_proj = Linear(dh, p, dtype)
         # The decay-gate parameters stay fp32 whatever the model dtype (they feed exp/softplus).
-        self.A_log = nn.Parameter(torch.empty(1, 1, h, 1, dtype=torch.float32), requires_grad=False)
+        a_log_shape = (1, 1, h, 1) if a_log_size is None else (a_log_size,)
+        self.A_log = nn.Parameter(torch.empty(*a_log_shape, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(p, dtype=torch.float32), requires_grad=False)
         if not cfg.use_full_rank_gate:
             self.g_b_proj = Linear(dh, p, dtype)
-        self.o_norm = NormWeight(dh, dtype)
+        self.o_norm = NormWeight(dh, conv_dtype)
         self.o_proj = Linear(p, hidden_size, dtype)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -68,7 +75,10 @@ class KDAttention(nn.Module):
         q, k, v = (m.reshape(t, cfg.num_heads, cfg.head_dim) for m in mixed.split(cfg.proj_dim, dim=-1))
         f = self.f_b_proj(f_a).view(t, cfg.num_heads, cfg.head_dim)
         g = kda_gate(f, self.A_log, self.dt_bias, cfg.gate_lower_bound)  # [T, H, Dh] fp32
-        beta = torch.sigmoid(b).float()  # [T, H]
+        if self.k3_precision:  # sigmoid in (at least) fp32
+            beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))  # [T, H]
+        else:
+            beta = torch.sigmoid(b).float()  # [T, H]
         outs = []
         if nd:
             idx = batch.state_indices[:nd]

@@ -1,22 +1,27 @@
-"""Feed-forward blocks: the dense SiLU-GLU MLP and the routed + shared MoE (model-spec §5)."""
+"""Feed-forward blocks: the dense gated MLP and the routed + shared MoE (model-spec §5)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltaserve.config import MoEConfig
-from deltaserve.ops.activation import silu_and_mul
+from deltaserve.config import ActivationConfig, MoEConfig
+from deltaserve.ops.activation import silu_and_mul, situ_and_mul
 from deltaserve.ops.moe import moe_experts, moe_route
 
 
 class GatedMLP(nn.Module):
-    """down(SiLU(gate x) * up x). gate and up are loaded into one [2I, d] matrix (one GEMM)."""
+    """down(act(gate x, up x)); `act` is SiLU-GLU by default (SiTU for K3). gate and up are loaded into one [2I, d]
+    matrix (one GEMM)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.intermediate_size, self.act = intermediate_size, act
         self.gate_up = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
 
@@ -29,7 +34,27 @@ class GatedMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        return F.linear(self.act(F.linear(x, self.gate_up)), self.down)
+
+
+def gated_activation(cfg: ActivationConfig, interleaved: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``[..., 2I] -> [..., I]`` for `cfg` (SiLU-GLU or SiTU); ``interleaved``: gate/up rows alternate (SiTU only)."""
+    if cfg.kind == "situ":
+        return partial(situ_and_mul, beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta, interleaved=interleaved)
+    if cfg.kind == "silu" and not interleaved:
+        return silu_and_mul
+    raise ValueError(f"no gated activation {cfg.kind!r} (interleaved={interleaved})")
+
+
+def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
+                 cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 router (model-spec §5) on ``x [T, d]``: ``(topk_weights [T, k] fp32, topk_ids [T, k])``."""
+    logits = F.linear(x.float(), gate_weight)  # [T, E] fp32
+    return moe_route(
+        logits, correction_bias, top_k=cfg.top_k, num_expert_group=cfg.num_expert_group,
+        topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+        routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func,
+    )
 
 
 class MoE(nn.Module):
@@ -61,13 +86,7 @@ class MoE(nn.Module):
         return named
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        logits = F.linear(x.float(), self.gate_weight)  # [T, E] fp32
-        weights, ids = moe_route(
-            logits, self.correction_bias, top_k=cfg.top_k, num_expert_group=cfg.num_expert_group,
-            topk_group=cfg.topk_group, renormalize=cfg.renormalize,
-            routed_scaling_factor=cfg.routed_scaling_factor, scoring_func=cfg.scoring_func,
-        )
+        weights, ids = route_tokens(x, self.gate_weight, self.correction_bias, self.cfg)
         y = moe_experts(x, self.w13, self.w2, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

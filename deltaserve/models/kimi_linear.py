@@ -22,6 +22,24 @@ from deltaserve.ops.norm import rms_norm
 _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 
 
+def layer_cache_specs(config: ModelConfig, *, kv_dtype: str, conv_dtype: str) -> list[KVCacheSpec | StateCacheSpec]:
+    """Per layer: an MLA latent row per token (`kv_dtype`) or a KDA slot (fp32 recurrent state, conv window in
+    `conv_dtype`). Shared by every KDA/MLA hybrid."""
+    specs: list[KVCacheSpec | StateCacheSpec] = []
+    for i, kind in enumerate(config.layer_kinds):
+        if kind == "mla":
+            specs.append(KVCacheSpec(layer_id=i, row_width=config.mla.cache_row_width, dtype=kv_dtype))
+        else:
+            h, dh, k = config.kda.num_heads, config.kda.head_dim, config.kda.conv_kernel_size
+            specs.append(
+                StateCacheSpec(
+                    layer_id=i, recurrent_shape=(h, dh, dh), recurrent_dtype="float32",
+                    conv_shape=(3 * h * dh, k - 1), conv_dtype=conv_dtype,
+                )
+            )
+    return specs
+
+
 class DecoderLayer(nn.Module):
     """h += Mixer(RMSNorm(h)); h += FFN(RMSNorm(h))  (model-spec §2.1)."""
 
@@ -84,20 +102,8 @@ class KimiLinearForCausalLM(nn.Module):
 
     def cache_specs(self) -> list[KVCacheSpec | StateCacheSpec]:
         """One spec per layer: MLA layers keep latent rows per token, KDA layers a state slot per sequence."""
-        cfg, dtype = self.config, str(self.dtype).removeprefix("torch.")
-        specs: list[KVCacheSpec | StateCacheSpec] = []
-        for i, kind in enumerate(cfg.layer_kinds):
-            if kind == "mla":
-                specs.append(KVCacheSpec(layer_id=i, row_width=cfg.mla.cache_row_width, dtype=dtype))
-            else:
-                h, dh, k = cfg.kda.num_heads, cfg.kda.head_dim, cfg.kda.conv_kernel_size
-                specs.append(
-                    StateCacheSpec(
-                        layer_id=i, recurrent_shape=(h, dh, dh), recurrent_dtype="float32",
-                        conv_shape=(3 * h * dh, k - 1), conv_dtype=dtype,
-                    )
-                )
-        return specs
+        dtype = str(self.dtype).removeprefix("torch.")
+        return layer_cache_specs(self.config, kv_dtype=dtype, conv_dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""

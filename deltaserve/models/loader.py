@@ -62,7 +62,9 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     targets: dict[str, torch.Tensor] = model.checkpoint_tensors()
     seen: set[str] = set()
     for raw_name, tensor in iter_checkpoint(path):
-        name = model.canonical_name(raw_name)
+        name = model.canonical_name(raw_name)  # None: a tensor the model skips (e.g. K3's vision tower)
+        if name is None:
+            continue
         target = targets.get(name)
         if target is None:
             raise WeightLoadError(f"unexpected tensor {raw_name!r} in checkpoint {path}")
@@ -72,6 +74,9 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
             raise WeightLoadError(
                 f"tensor {raw_name!r} has shape {list(tensor.shape)}, expected {list(target.shape)}"
             )
+        if tensor.dtype.is_floating_point != target.dtype.is_floating_point:
+            # Packed MXFP4 codes and E8M0 scales are uint8: a float there (or the reverse) is a different format.
+            raise WeightLoadError(f"tensor {raw_name!r} has dtype {tensor.dtype}, expected {target.dtype}")
         with torch.no_grad():
             target.copy_(tensor)
         seen.add(name)

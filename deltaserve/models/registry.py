@@ -10,6 +10,7 @@ from deltaserve.config import ConfigError, ModelConfig
 
 _MODELS: dict[str, tuple[str, str]] = {
     "KimiLinearForCausalLM": ("deltaserve.models.kimi_linear", "KimiLinearForCausalLM"),
+    "KimiK3ForConditionalGeneration": ("deltaserve.models.kimi_k3", "KimiK3ForConditionalGeneration"),
 }
 
 

@@ -51,6 +51,15 @@ class TinySpec:
     """Name of the dense FFN tensors: "mlp" (real checkpoints) or "block_sparse_moe" (transformers' save)."""
     shard_bytes: int = 0
     """Split the weights into shards of about this size with an index file; 0 writes one file."""
+    arch: str = "kimi_linear"
+    """"kimi_linear", or "kimi_k3": nested text_config, bounded KDA gate, gated MLA, SiTU LatentMoE with MXFP4
+    experts, Block AttnRes, XTML special tokens (the other sizes apply; K3 itself has q-LoRA and 2 shared experts)."""
+    latent_size: int = 128
+    """kimi_k3: LatentMoE latent width (routed_expert_hidden_size), a multiple of 32."""
+    attn_res_block_size: int | None = 3
+    """kimi_k3: decoder layers per Block AttnRes block; none for plain residuals."""
+    expert_format: str = "compressed-tensors"
+    """kimi_k3: routed experts in MXFP4, "compressed-tensors" (K3's layout) or "gpt-oss", or "dense"."""
 
 
 def tiny_config_dict(spec: TinySpec, special_ids: dict[str, int]) -> dict[str, Any]:
@@ -102,7 +111,7 @@ def tiny_config_dict(spec: TinySpec, special_ids: dict[str, int]) -> dict[str, A
     }
 
 
-def random_weights(model: KimiLinearForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+def random_weights(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors drawn per model-spec §13.2 (large matrices, perturbed norms, spread gates)."""
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
@@ -118,7 +127,7 @@ def random_weights(model: KimiLinearForCausalLM, seed: int) -> dict[str, torch.T
             t = 1.0 + 0.3 * torch.randn(shape, generator=gen)
         elif name.endswith("conv1d.weight"):
             t = torch.randn(shape, generator=gen) * 1.5 / math.sqrt(shape[-1])
-        elif name in ("model.embed_tokens.weight",):
+        elif name.endswith("model.embed_tokens.weight"):
             t = torch.randn(shape, generator=gen)
         else:
             t = torch.randn(shape, generator=gen) * 1.5 / math.sqrt(shape[-1])
@@ -128,6 +137,12 @@ def random_weights(model: KimiLinearForCausalLM, seed: int) -> dict[str, torch.T
 
 def write_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     """Write config.json, generation_config.json, safetensors weights and a small BPE tokenizer to `out_dir`."""
+    if spec.arch == "kimi_k3":
+        from deltaserve.models.tiny_k3 import write_tiny_k3_checkpoint  # imports this module
+
+        return write_tiny_k3_checkpoint(out_dir, spec)
+    if spec.arch != "kimi_linear":
+        raise ValueError(f"arch={spec.arch!r} must be 'kimi_linear' or 'kimi_k3'")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if spec.dense_name not in ("mlp", "block_sparse_moe"):

@@ -25,8 +25,9 @@ from deltaserve.structured.backend import Grammar, StructuredOutputBackend, voca
 from deltaserve.text.tokenizer import Tokenizer
 
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""Compact JSON (no free whitespace between tokens): a weak model cannot loop on whitespace. A schema may override
-it with an "x-guidance" object, e.g. {"x-guidance": {"whitespace_flexible": true}}."""
+"""Fixed-whitespace JSON with Python's `json.dumps` separators (", " and ": ", no other whitespace): a weak model
+cannot loop on whitespace. A schema may override it with an "x-guidance" object, e.g.
+{"x-guidance": {"whitespace_flexible": true}}."""
 MAX_CACHED_TOKENIZERS = 8  # one LLTokenizer per distinct stop-token set
 
 logger = logging.getLogger(__name__)

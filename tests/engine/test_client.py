@@ -25,6 +25,7 @@ from deltaserve.engine.client import (
 )
 from deltaserve.engine.core_proc import run_engine_core
 from deltaserve.request import FinishReason
+from deltaserve.sampling_params import StructuredOutput
 from tests.helpers import prompt_ids
 
 MAX_MODEL_LEN = 256
@@ -182,8 +183,8 @@ def test_abort_and_early_close_free_the_cache(engine, loop):
 
 
 def test_bad_requests_fail_alone(engine, loop, llm):
-    """Out-of-vocabulary ids, a too long or empty prompt raise EngineRequestError; n > 1 and a reused id raise
-    ValueError in the client; the engine keeps serving."""
+    """Out-of-vocabulary ids, a too long or empty prompt, a grammar that does not compile raise EngineRequestError;
+    n > 1 and a reused id raise ValueError in the client; the engine keeps serving."""
     good = prompt_ids(1024, 12, seed=600)
 
     async def scenario():
@@ -193,6 +194,9 @@ def test_bad_requests_fail_alone(engine, loop, llm):
                                 ("empty", [], "empty")]:
             with pytest.raises(EngineRequestError, match=match):
                 await collect(engine, rid, ids, GREEDY)
+        bad_grammar = SamplingParams(max_tokens=4, structured=StructuredOutput(kind="regex", spec="(("))
+        with pytest.raises(EngineRequestError, match="regex"):  # compiled in the engine: fails after add_request
+            await collect(engine, "bad-grammar", good, bad_grammar)
         with pytest.raises(ValueError, match="n=1"):
             await collect(engine, "n2", good, SamplingParams(n=2))
         first = engine.generate("dup", good, GREEDY)

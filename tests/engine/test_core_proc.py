@@ -66,7 +66,8 @@ class FakeCore:
             progress[0] += 1
             done = progress[0] == progress[1]
             outs.append(SimpleNamespace(request_id=rid, new_token_ids=[self.stats.steps], logprobs=[None],
-                                        finish_reason=FinishReason.LENGTH if done else None, num_cached_tokens=0))
+                                        finish_reason=FinishReason.LENGTH if done else None, num_cached_tokens=0,
+                                        error=None))
             if done:
                 del self.live[rid]
         return outs
@@ -140,7 +141,7 @@ def test_steps_batch_outputs_and_bad_requests_fail_alone(sockets):
     stats = [m for m in rest if isinstance(m, StatsReply)]
     assert len(stats) == 1 and stats[0].request_no == 7 and stats[0].stats.prompt_tokens == 3
     assert "prompt is empty" in outs["empty"][0].error and "temperature" in outs["bad-params"][0].error
-    assert outs["empty"][0].finish_reason is FinishReason.ABORT
+    assert outs["empty"][0].finish_reason is FinishReason.ERROR
     assert [o.finish_reason for o in outs["a"]] == [None, FinishReason.LENGTH]
     assert all(o.error is None and len(o.new_token_ids) == 1 for o in outs["a"] + outs["b"])
     assert core.finished == {"b": FinishReason.STOP} and not core.live

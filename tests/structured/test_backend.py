@@ -128,8 +128,8 @@ def test_json_object(tok, backend):
     feed(grammar, tok, "{")
     allowed = {tok.decode_bytes([i]) for i in mask(grammar)}
     assert b"}" in allowed and b'"' in allowed
-    assert not allowed & {b" ", b"a", b"{", b"]"}  # compact JSON: no free whitespace
-    feed(grammar, tok, '"k":[1,true,null]}')
+    assert not allowed & {b" ", b"a", b"{", b"]"}  # fixed whitespace: none after "{"
+    feed(grammar, tok, '"k": [1, true, null]}')  # json.dumps separators
     assert mask(grammar) == set(STOPS)
 
 

@@ -1,9 +1,13 @@
-"""Reference MoE routing (noaux_tc group top-k, model-spec §5) and grouped SiLU-GLU experts.
+"""Reference MoE routing (noaux_tc group top-k, model-spec §5) and grouped gated experts (SiLU-GLU, or any
+activation and weight format the caller passes, e.g. K3's SiTU with MXFP4 weights).
 
 Pure PyTorch; the specification and test oracle for any fast backend.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,19 +74,34 @@ def moe_route(
     return topk_weights * routed_scaling_factor, topk_ids.to(torch.int64)
 
 
-def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    """Weighted sum of the chosen SiLU-GLU experts, one GEMM pair per expert that received tokens.
+def moe_experts(
+    x: Tensor,
+    w13: Any,
+    w2: Any,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    *,
+    act: Callable[[Tensor], Tensor] = silu_and_mul,
+    linear: Callable[[Tensor, Any], Tensor] = F.linear,
+    fp32_combine: bool = False,
+) -> Tensor:
+    """Weighted sum of the chosen gated experts, one GEMM pair per expert that received tokens.
 
-    ``y[t] = sum_j w[t, j] * (SiLU(x W1^T) * (x W3^T)) W2^T`` for expert ``e = topk_ids[t, j]``. Each expert's output
-    (in ``x.dtype``) is multiplied by its fp32 weight, cast to ``x.dtype`` and accumulated with ``index_add_`` into
-    zeros of ``x.dtype``, as transformers does.
+    ``y[t] = sum_j w[t, j] * act(x W13^T) W2^T`` for expert ``e = topk_ids[t, j]``: the routing weight is applied
+    late, to each expert's output (in ``x.dtype``, i.e. rounded to it). By default (Kimi Linear, as transformers)
+    the weighted output is cast to ``x.dtype`` and accumulated with ``index_add_`` into zeros of ``x.dtype``; with
+    ``fp32_combine`` (Kimi K3, model-spec §6) the weighted outputs are summed in fp32 and cast once at the end.
 
     Args:
         x: ``[T, d]`` tokens.
-        w13: ``[E, 2I, d]``; per expert ``I`` rows of w1 (gate) then ``I`` rows of w3 (up).
-        w2: ``[E, d, I]`` down projections.
+        w13: ``[E, 2I, d]`` gate and up rows in the order ``act`` expects (default: ``I`` rows of w1, then ``I`` of
+            w3), or any stack ``linear`` understands that is indexed per expert (``w13[e]``), e.g. an MXFP4 tensor.
+        w2: ``[E, d, I]`` down projections (same kind as ``w13``).
         topk_weights: ``[T, k]`` combine weights (fp32).
         topk_ids: ``[T, k]`` int expert ids in ``[0, E)``.
+        act: ``[n, 2I] -> [n, I]`` gated activation (default SiLU-GLU).
+        linear: ``(x, w13[e]) -> x W^T`` (default ``F.linear``; ``mxfp4_linear`` for MXFP4 weights).
+        fp32_combine: sum the weighted expert outputs in fp32.
 
     Returns:
         ``[T, d]`` in ``x.dtype``.
@@ -94,14 +113,14 @@ def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_i
     weight_of_pair = topk_weights.reshape(-1)[order]
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: acceptable in the reference
 
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32) if fp32_combine else x.dtype)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         rows = token_of_pair[start : start + count]
-        hidden = silu_and_mul(F.linear(x[rows], w13[expert]))  # [n, I]
-        y = F.linear(hidden, w2[expert]) * weight_of_pair[start : start + count, None]  # [n, d], promoted
-        out.index_add_(0, rows, y.to(x.dtype))
+        hidden = act(linear(x[rows], w13[expert]))  # [n, I]
+        y = linear(hidden, w2[expert]) * weight_of_pair[start : start + count, None]  # [n, d], promoted
+        out.index_add_(0, rows, y.to(out.dtype))
         start += count
-    return out
+    return out.to(x.dtype)

@@ -1,0 +1,360 @@
+"""`deltaserve bench serve`: a streaming load generator over the OpenAI API, measuring what `vllm bench serve` does.
+
+Arrivals: all at once, or Poisson / gamma with burstiness, or trace timestamps; optionally capped by a client-side
+concurrency semaphore. Prints vLLM's console table and writes vLLM's result JSON keys plus our additions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deltaserve.bench.datasets import AGENTIC_TOOLS, AgenticSession, Dataset, SampleRequest, build_dataset
+from deltaserve.bench.metrics import (
+    METRICS,
+    RequestOutcome,
+    compute_metrics,
+    format_table,
+    parse_goodput,
+    parse_metric_names,
+    parse_percentiles,
+)
+from deltaserve.bench.serve_config import ServeBenchConfig, add_config_args, config_from_args
+
+DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
+                 "generated_texts", "errors")
+
+
+def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """vLLM's send times (s after the start): gamma gaps (shape = burstiness, mean 1 / rate), cumulated and
+    rescaled so that the last request departs at exactly n / rate; all zeros for an infinite rate."""
+    if rate == float("inf"):
+        return [0.0] * n
+    if burstiness == float("inf"):
+        gaps = np.full(n, 1.0 / rate)
+    else:
+        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    cum = np.cumsum(gaps)
+    return (cum * (n / rate) / cum[-1]).tolist() if cum[-1] > 0 else cum.tolist()
+
+
+class Progress:
+    """A one-line progress indicator on stderr (a tqdm stand-in): redrawn in place on a terminal, else every 10%."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        step = max(1, self.total // 10)
+        if self.tty or self.done % step == 0 or self.done == self.total:
+            elapsed = time.perf_counter() - self.start
+            bar = "#" * (20 * self.done // max(1, self.total))
+            line = f"{self.done}/{self.total} [{bar:<20}] {elapsed:.1f} s, {self.done / max(elapsed, 1e-9):.2f} req/s"
+            print(("\r" if self.tty else "") + line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def request_headers(cfg: ServeBenchConfig) -> dict[str, str]:
+    """Headers of every request: the server's API key from DELTASERVE_API_KEY, then --header KEY=VALUE pairs."""
+    from deltaserve import envs
+
+    headers = {"Authorization": f"Bearer {envs.api_key()}"} if envs.api_key() else {}
+    for item in cfg.header or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--header {item!r}: expected KEY=VALUE")
+        headers[key.strip()] = value.strip()
+    return headers
+
+
+def load_tokenizer(cfg: ServeBenchConfig):
+    """The tokenizer of --tokenizer, else of --model when it is a checkpoint directory."""
+    from deltaserve.text.tokenizer import Tokenizer
+
+    path = cfg.tokenizer or (cfg.model if cfg.model and Path(cfg.model).is_dir() else None)
+    if path is None:
+        raise ValueError("a tokenizer is needed to build prompts: pass --tokenizer DIR (a checkpoint directory), "
+                         "or --model DIR")
+    return Tokenizer.from_pretrained(path)
+
+
+def resolve_model(cfg: ServeBenchConfig, models: list[dict[str, Any]]) -> tuple[str, int]:
+    """(name sent in requests, the server's max_model_len): --served-model-name, else --model if served, else the
+    server's first model."""
+    ids = [m.get("id") for m in models]
+    name = cfg.served_model_name or (cfg.model if cfg.model in ids else ids[0])
+    info = next((m for m in models if m.get("id") == name), models[0])
+    return name, int(info.get("max_model_len") or 1 << 20)
+
+
+def _sampling(cfg: ServeBenchConfig) -> dict[str, Any]:
+    extras = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+    body = {k: v for k, v in extras.items() if v is not None}
+    body["ignore_eos"] = True if cfg.ignore_eos is None else cfg.ignore_eos
+    return body | (cfg.extra_body or {})
+
+
+def completion_body(cfg: ServeBenchConfig, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
+            "stream_options": {"include_usage": True}, **_sampling(cfg)}
+
+
+def chat_body(cfg: ServeBenchConfig, model: str, messages: list[dict[str, Any]], output_len: int) -> dict[str, Any]:
+    return {"model": model, "messages": messages, "tools": AGENTIC_TOOLS, "max_completion_tokens": output_len,
+            "stream": True, "stream_options": {"include_usage": True}, **_sampling(cfg)}
+
+
+class Runner:
+    """Sends one dataset to one server and collects the outcomes (in dataset order; sessions turn by turn)."""
+
+    def __init__(self, cfg: ServeBenchConfig, client, model: str, headers: dict[str, str]) -> None:
+        from deltaserve.bench import endpoint  # httpx: imported only when a benchmark runs
+
+        self.endpoint = endpoint
+        self.cfg, self.client, self.model, self.headers = cfg, client, model, headers
+        self.url = cfg.url + cfg.endpoint_path
+
+    async def completion(self, req: SampleRequest, prompt: list[int] | None = None,
+                         output_len: int | None = None) -> RequestOutcome:
+        body = completion_body(self.cfg, self.model, req.prompt if prompt is None else prompt,
+                               req.output_len if output_len is None else output_len)
+        return await self.endpoint.send_completion(self.client, self.url, body, self.headers, req.prompt_len)
+
+    async def session(self, index: int, s: AgenticSession, due: float, progress: Progress) -> list[RequestOutcome]:
+        """The turns of one session, in order; turn k + 1 carries turn k's reply, a tool call and its result."""
+        messages: list[dict[str, Any]] = [{"role": "system", "content": s.system}, {"role": "user", "content": s.user}]
+        outs: list[RequestOutcome] = []
+        for turn in range(s.num_turns):
+            body = chat_body(self.cfg, self.model, messages, s.output_len)
+            out = await self.endpoint.send_chat(self.client, self.url, body, self.headers, prompt_len=0)
+            out.queue_time = out.start_time - due if turn == 0 else 0.0
+            outs.append(out)
+            progress.update()
+            if not out.success:
+                break
+            if turn + 1 < s.num_turns:
+                call_id = f"call_{index}_{turn}"
+                messages += [{"role": "assistant", "content": out.generated_text, "tool_calls": [
+                                 {"id": call_id, "type": "function", "function": {
+                                     "name": "run_command", "arguments": json.dumps({"command": f"step {turn}"})}}]},
+                             {"role": "tool", "tool_call_id": call_id, "content": s.tool_results[turn]}]
+                if self.cfg.agentic_tool_latency > 0:
+                    await asyncio.sleep(self.cfg.agentic_tool_latency)
+        return outs + [RequestOutcome(error="an earlier turn of the session failed")
+                       for _ in range(s.num_turns - len(outs))]
+
+    async def run(self, data: Dataset, delays: list[float]) -> tuple[list[RequestOutcome], float]:
+        """Dispatch every request (or session) at its delay; returns the outcomes and the run's duration."""
+        sem = asyncio.Semaphore(self.cfg.max_concurrency) if self.cfg.max_concurrency else contextlib.nullcontext()
+        progress = Progress(data.num_requests, enabled=not self.cfg.disable_tqdm)
+        start = time.perf_counter()
+
+        async def one(req: SampleRequest, due: float) -> list[RequestOutcome]:
+            async with sem:
+                out = await self.completion(req)
+            out.queue_time = out.start_time - due
+            progress.update()
+            return [out]
+
+        async def one_session(i: int, s: AgenticSession, due: float) -> list[RequestOutcome]:
+            async with sem:
+                return await self.session(i, s, due, progress)
+
+        items = data.requests or data.sessions
+        tasks = []
+        for i, (item, delay) in enumerate(zip(items, delays, strict=True)):
+            due = start + delay
+            if (wait := due - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            coro = one(item, due) if isinstance(item, SampleRequest) else one_session(i, item, due)
+            tasks.append(asyncio.create_task(coro))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        progress.close()
+        return [o for r in results for o in r], duration
+
+    async def check(self, data: Dataset) -> None:
+        """vLLM's initial test request, then --num-warmups warm-ups: the first prompt reversed (so that no timed
+        prompt shares its prefix), or a short chat turn."""
+        for i in range(1 + self.cfg.num_warmups):
+            test = i == 0  # the test request is short; warm-ups have the benchmark's output length
+            if data.requests:
+                first = data.requests[0]
+                reverse = first.prompt[::-1]
+                out = await self.completion(first, reverse[:32] if test else reverse, 2 if test else None)
+            else:
+                body = chat_body(self.cfg, self.model, [{"role": "user", "content": "Hello"}],
+                                 2 if test else data.sessions[0].output_len)
+                out = await self.endpoint.send_chat(self.client, self.url, body, self.headers, prompt_len=0)
+            if not out.success:
+                raise ValueError(f"the initial test request to {self.url} failed: {out.error}")
+
+
+def send_delays(cfg: ServeBenchConfig, data: Dataset, seed: int) -> list[float]:
+    items = data.requests or data.sessions
+    if cfg.uses_timestamps:
+        if not data.requests or any(r.arrival_s is None for r in data.requests):
+            raise ValueError(f"--self-timed needs a dataset with timestamps (mooncake), not {cfg.dataset_name}")
+        return [r.arrival_s for r in data.requests]
+    return arrival_delays(len(items), cfg.request_rate, cfg.burstiness, seed)
+
+
+async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:
+    """One benchmark run against a live server; returns the result dict (also printed and, if asked, saved)."""
+    import httpx
+
+    from deltaserve.bench import endpoint
+
+    headers = request_headers(cfg)
+    tokenizer = load_tokenizer(cfg)
+    limit = cfg.max_concurrency or 1000
+    limits = httpx.Limits(max_connections=limit + 8, max_keepalive_connections=limit + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=30), limits=limits) as client:
+        models = await endpoint.wait_ready(client, cfg.url, headers, cfg.ready_check_timeout_sec)
+        model, max_model_len = resolve_model(cfg, models)
+        data = build_dataset(cfg, tokenizer, max_model_len=max_model_len, seed=cfg.seed)
+        delays = send_delays(cfg, data, cfg.seed)
+        runner = Runner(cfg, client, model, headers)
+        flushed = await endpoint.reset_prefix_cache(client, cfg.url, headers) if cfg.reset_prefix_cache else None
+        if flushed is False:
+            print(f"warning: {cfg.url} has no POST /reset_prefix_cache; the prefix cache was not flushed",
+                  file=sys.stderr)
+        if cfg.ready_check_timeout_sec > 0:
+            await runner.check(data)
+        print(f"Traffic request rate: {cfg.request_rate}{' (trace timestamps)' if cfg.uses_timestamps else ''}\n"
+              f"Burstiness factor: {cfg.burstiness}\nMaximum request concurrency: {cfg.max_concurrency}", flush=True)
+        before = await endpoint.scrape_counters(client, cfg.url, headers)
+        outcomes, duration = await runner.run(data, delays)
+        after = await endpoint.scrape_counters(client, cfg.url, headers)
+    result = assemble_result(cfg, model, data, outcomes, duration,
+                             count_tokens=lambda text: len(tokenizer.encode(text, allow_special=False)))
+    result |= endpoint.counter_metrics(before, after)
+    result["prefix_cache_flushed"] = flushed
+    warn_unexpected_hits(cfg, result)
+    print(format_table(result, selected=parse_metric_names(cfg.percentile_metrics or "ttft,tpot,itl"),
+                       percentiles=parse_percentiles(cfg.metric_percentiles)))
+    if cfg.save_result:
+        save_result(cfg, result)
+    return result
+
+
+def warn_unexpected_hits(cfg: ServeBenchConfig, result: dict[str, Any]) -> None:
+    """Random prompts without a shared prefix cannot hit the prefix cache unless the server saw them before (an
+    earlier run with the same --seed): such a run measures cached prefills, so say so."""
+    rate = result.get("prefix_cache_hit_rate")
+    if cfg.dataset_name == "random" and cfg.random_prefix_len == 0 and rate:
+        print(f"warning: {rate:.1%} of prompt tokens were prefix-cache hits although random prompts share nothing: "
+              "the server has seen these prompts before (same --seed as an earlier run?); use another --seed or "
+              "restart the server", file=sys.stderr)
+
+
+def assemble_result(cfg: ServeBenchConfig, model: str, data: Dataset, outcomes: list[RequestOutcome],
+                    duration: float, count_tokens=None) -> dict[str, Any]:
+    """vLLM's result layout (setup keys, then the metrics), our additions, the full configuration, and the
+    per-request arrays (dropped on save unless --save-detailed)."""
+    selected = parse_metric_names(cfg.percentile_metrics or "ttft,tpot,itl")
+    queue_metrics = [m for m in selected if m not in METRICS and cfg.max_concurrency is not None
+                     and (m == "client_queue_time" or cfg.request_rate != float("inf"))]
+    metrics, output_lens = compute_metrics(outcomes, duration, percentiles=parse_percentiles(cfg.metric_percentiles),
+                                           goodput=parse_goodput(cfg.goodput), queue_metrics=queue_metrics,
+                                           count_tokens=count_tokens)
+    result: dict[str, Any] = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": cfg.backend_name,
+        "backend": cfg.backend_name, "label": cfg.label, "model_id": cfg.model or model,
+        "tokenizer_id": cfg.tokenizer or cfg.model, "num_prompts": cfg.num_prompts,
+    }
+    for item in cfg.metadata or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata {item!r}: expected KEY=VALUE")
+        result[key.strip()] = value.strip()
+    result |= {"request_rate": cfg.request_rate if cfg.request_rate < float("inf") else "inf",
+               "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency}
+    result |= metrics
+    result |= {"dataset_name": cfg.dataset_name, "served_model_name": model, "goodput_slos": parse_goodput(cfg.goodput),
+               **data.info, "config": jsonable(dataclasses.asdict(cfg))}
+    result |= {"input_lens": [o.prompt_len for o in outcomes], "output_lens": output_lens,
+               "ttfts": [o.ttft for o in outcomes], "itls": [o.itl for o in outcomes],
+               "latencies": [o.latency for o in outcomes], "start_times": [o.start_time for o in outcomes],
+               "queue_times": [o.queue_time for o in outcomes],
+               "generated_texts": [o.generated_text for o in outcomes], "errors": [o.error for o in outcomes]}
+    failed = next((o.error for o in outcomes if not o.success), None)
+    if failed:
+        print(f"===== failed requests: {result['failed']}; first error: {failed} =====", file=sys.stderr)
+    return result
+
+
+def jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: ("inf" if v == float("inf") else v) for k, v in d.items()}
+
+
+def result_path(cfg: ServeBenchConfig, result: dict[str, Any]) -> Path:
+    """vLLM's file name `{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json` under --result-dir."""
+    name = cfg.result_filename
+    if name is None:
+        base = str(result["model_id"]).rstrip("/").split("/")[-1]
+        conc = f"-concurrency{cfg.max_concurrency}" if cfg.max_concurrency is not None else ""
+        name = f"{cfg.label or cfg.backend_name}-{cfg.request_rate}qps{conc}-{base}-{result['date']}.json"
+    return Path(cfg.result_dir or ".") / name
+
+
+def save_result(cfg: ServeBenchConfig, result: dict[str, Any]) -> Path:
+    """Write the JSON (per-request arrays only with --save-detailed) and, with --plots, the TTFT / ITL PNG."""
+    path = result_path(cfg, result)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    saved = {k: v for k, v in result.items() if cfg.save_detailed or k not in DETAILED_KEYS}
+    path.write_text(json.dumps(saved, indent=2) + "\n")
+    print(f"wrote {path}")
+    if cfg.plots:
+        from deltaserve.bench.plots import plot_distributions
+
+        ok = [i for i, e in enumerate(result["errors"]) if not e]
+        png = plot_distributions([result["ttfts"][i] * 1000 for i in ok],
+                                 [g * 1000 for i in ok for g in result["itls"][i]], path.with_suffix(".png"),
+                                 f"{cfg.dataset_name}, {result['served_model_name']}, rate {result['request_rate']}, "
+                                 f"concurrency {cfg.max_concurrency}")
+        print(f"wrote {png}")
+    return path
+
+
+def run(cfg: ServeBenchConfig) -> dict[str, Any]:
+    return asyncio.run(run_async(cfg))
+
+
+def quiet_http_logs() -> None:
+    """httpx logs every request at INFO; the CLI's default level would print one line per benchmark request."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _main(ns: argparse.Namespace) -> int:
+    quiet_http_logs()
+    result = run(config_from_args(ServeBenchConfig, ns))
+    return 0 if result["completed"] else 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `serve` under `deltaserve bench`."""
+    p = sub.add_parser("serve", help="load generator over the OpenAI API (vllm bench serve's metrics and flags)",
+                       description=__doc__.splitlines()[0])
+    add_config_args(p, ServeBenchConfig)
+    p.set_defaults(func=_main)
