@@ -5,8 +5,8 @@
    and fp32. Times are interleaved in this process; memory (RSS) is measured per variant in a fresh subprocess that
    builds only that variant's weights.
 2. AttnRes: a tiny K3 model (dense fp32 experts, so the reference MXFP4 decode does not dominate) run with Block
-   AttnRes and, with the same weights, with plain residuals; prefill and decode-step medians of interleaved runs, and
-   the time spent inside the AttnRes mixes.
+   AttnRes and, with the same weights, with plain residuals; prefill and decode-step times (best of interleaved runs),
+   and the time spent inside the AttnRes mixes.
 
 Usage: python scripts/bench_k3.py [--experts 64 --top-k 8 --latent 896 --inter 768 --tokens 1,16,256]
                                   [--hidden 512 --layers 8 --prefill 512 --decode-steps 16] [--skip-experts|attnres]
@@ -205,9 +205,10 @@ def bench_attn_res(args: argparse.Namespace) -> None:
     for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
         for name, fn in fns.items():
             results[name].append(fn())
-    med = {name: [statistics.median(col) * 1e3 for col in zip(*rows, strict=True)] for name, rows in results.items()}
+    # Minimum over interleaved runs: on a shared machine the least-disturbed run is the best estimate of each.
+    med = {name: [min(col) * 1e3 for col in zip(*rows, strict=True)] for name, rows in results.items()}
     print(f"\nBlock AttnRes: tiny K3, hidden {args.hidden}, {args.layers} layers, blocks of 3 layers, dense fp32 "
-          f"experts, {args.threads} thread(s); medians of {args.repeats} interleaved runs, same weights")
+          f"experts, {args.threads} thread(s); best of {args.repeats} interleaved runs, same weights")
     for col, what in ((0, f"prefill {args.prefill} tokens"), (2, "decode step (1 sequence)")):
         p, r, mix = med["plain"][col], med["attn_res"][col], med["attn_res"][col + 1]
         print(f"  {what:26s} plain {p:8.2f} ms | attn_res {r:8.2f} ms ({100 * (r / p - 1):+.1f}%) | "

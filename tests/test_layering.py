@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "deltaserve"
 
 # What each top-level part may import (besides itself). Lower layers first; see docs/structure.md.
-BASE = {"config", "sampling_params", "outputs", "request", "envs", "utils", "text", "parsers", "chat"}
+BASE = {"config", "sampling_params", "outputs", "request", "envs", "utils", "text", "parsers", "chat", "default_model"}
 ALLOWED: dict[str, set[str]] = {
     **{name: BASE for name in BASE},
     "ops": {"envs", "utils"},
@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
 # Composition roots may import anything: the package facade and the command line.
 ROOTS = {"deltaserve/__init__.py", "deltaserve/entrypoints/cli.py"}
 ALLOWED["utils"] = set()
+ALLOWED["default_model"] = set()  # package data and its path only
 
 
 def _part(module: str) -> str | None:

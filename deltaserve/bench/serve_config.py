@@ -134,7 +134,7 @@ class ServeBenchConfig:
     disable_tqdm: bool = False
     """No progress line on stderr."""
     reset_prefix_cache: bool = False
-    """POST /reset_prefix_cache before the run (deltaserve has no such endpoint yet: a warning, nothing flushed)."""
+    """POST /reset_prefix_cache before the run (deltaserve and vLLM both have it; forgets cached KV and state)."""
 
     def __post_init__(self) -> None:
         if self.dataset_name not in DATASETS:

@@ -93,6 +93,9 @@ class EngineConfig:
     """Cap on prompt + output tokens (default: the model's own limit)."""
     seed: int = 0
     """Seed of the generator shared by unseeded sampling requests."""
+    num_threads: int | None = None
+    """torch intra-op threads of the engine (default: torch's choice, one per core). On a small shared CPU host, 1
+    can be much faster than oversubscribing the cores with the API process."""
     structured_output_backend: str = "llguidance"
     """Library that compiles structured-output constraints (JSON schema, regex, Lark grammar) into token masks:
     'llguidance' (default) or 'xgrammar' (optional, not installed by default; no Lark grammars)."""
@@ -104,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not supported (supported: 'bfloat16', 'float32')")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.structured_output_backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"structured_output_backend={self.structured_output_backend!r} is not supported "
                              "(supported: 'llguidance', 'xgrammar')")

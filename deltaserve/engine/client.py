@@ -206,14 +206,15 @@ class AsyncEngineClient:
         if self._dead_reason is None and not self._closing:
             self._send(AbortRequest(request_id=request_id, reason=reason))
 
-    async def get_stats(self) -> EngineStats:
-        """A fresh snapshot from the engine process (answered between two steps)."""
+    async def get_stats(self, *, reset_prefix_cache: bool = False) -> EngineStats:
+        """A fresh snapshot from the engine process (answered between two steps); optionally first forget every
+        cached prefix (KV blocks and state checkpoints), as `vllm`'s /reset_prefix_cache does."""
         self._check_alive()
         number = next(self._stats_numbers)
         waiter = self._loop.create_future()
         self._stats_waiters[number] = waiter
         try:
-            self._send(StatsRequest(request_no=number))
+            self._send(StatsRequest(request_no=number, reset_prefix_cache=reset_prefix_cache))
             return await waiter
         finally:
             self._stats_waiters.pop(number, None)

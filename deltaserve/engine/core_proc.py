@@ -164,6 +164,9 @@ class EngineProc:
             else:
                 self.core.finish_request(msg.request_id, msg.reason)
         elif isinstance(msg, StatsRequest):
+            if msg.reset_prefix_cache:
+                blocks, checkpoints = self.core.reset_prefix_cache()
+                logger.info("prefix cache reset: %d blocks and %d checkpoints forgotten", blocks, checkpoints)
             stats = dataclasses.replace(self.core.get_stats(), prompt_tokens=self.prompt_tokens,
                                         generation_tokens=self.generation_tokens)
             self.outputs.send(_ENCODER.encode(StatsReply(request_no=msg.request_no, stats=stats)))

@@ -68,6 +68,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_pretrained(config.model)
         model = load_model(config.model, dtype=getattr(torch, config.dtype))
         model_limit = self.model_config.max_model_len

@@ -62,6 +62,8 @@ class StatsRequest(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     """Ask for an `EngineStats` snapshot; answered by a `StatsReply` with the same `request_no`."""
 
     request_no: int
+    reset_prefix_cache: bool = False
+    """First forget every cached KV block and state checkpoint (benchmarks flush between rounds)."""
 
 
 class ShutdownRequest(msgspec.Struct, tag="shutdown", frozen=True):

@@ -35,12 +35,21 @@ def _serve(args: argparse.Namespace) -> int:
     from deltaserve.utils.cli_args import dataclass_from_args
 
     server = dataclass_from_args(ServerConfig, args)
+    model = args.model
+    if model is None:  # the embedded default model
+        import dataclasses
+
+        from deltaserve.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+        model = str(default_model_dir())
+        if server.served_model_name is None:
+            server = dataclasses.replace(server, served_model_name=DEFAULT_MODEL_NAME)
     if server.api_key is None and envs.api_key():
         import dataclasses
 
         server = dataclasses.replace(server, api_key=envs.api_key())
-    engine = EngineConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          structured_output_backend=args.structured_output_backend,
+    engine = EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                          structured_output_backend=args.structured_output_backend, num_threads=args.num_threads,
                           cache=dataclass_from_args(CacheConfig, args),
                           scheduler=dataclass_from_args(SchedulerConfig, args))
     return run(engine, server, log_level=args.log_level)
@@ -75,10 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
-    srv.add_argument("--model", required=True, help="checkpoint directory")
+    srv.add_argument("--model", default=None,
+                     help="checkpoint directory (default: the embedded model, deltaserve/default_model)")
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     srv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     srv.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
+    srv.add_argument("--num-threads", type=int, default=None,
+                     help="torch threads of the engine process (default: one per core)")
     srv.add_argument("--structured-output-backend", default="llguidance", choices=["llguidance", "xgrammar"],
                      help="grammar library for response_format and forced tool calls (default: llguidance)")
     add_dataclass_args(srv.add_argument_group("server"), ServerConfig)
@@ -88,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("--model", required=True, help="checkpoint directory")
+    gen.add_argument("--model", default=None,
+                     help="checkpoint directory (default: the embedded model, deltaserve/default_model)")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from deltaserve.default_model import default_model_dir
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.outputs import CompletionOutput, RequestOutput
 from deltaserve.request import FinishReason
@@ -37,7 +38,8 @@ class LLM:
     """Generate from a Kimi Linear checkpoint directory with the continuous-batching engine.
 
     Args:
-        model: checkpoint directory (config.json, safetensors weights, tokenizer files).
+        model: checkpoint directory (config.json, safetensors weights, tokenizer files); none loads the embedded
+            default model (`deltaserve.default_model`).
         dtype: "float32" or "bfloat16" (router, gates and KDA state stay fp32).
         max_model_len: cap on prompt + output tokens (defaults to the model's own limit).
         seed: seed of the generator shared by unseeded sampling requests.
@@ -48,8 +50,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, structured_output_backend: str = "llguidance", **engine_args: Any) -> None:
-        if model is None:
-            raise ValueError("model is required: pass a checkpoint directory (make one with `deltaserve make-tiny`)")
+        if model is None:  # the embedded default model, shipped as package data
+            model = str(default_model_dir())
         cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
         sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
         unknown = set(engine_args) - cache_fields - sched_fields

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
@@ -139,8 +139,12 @@ def _filler(num_lines: int) -> Iterator[str]:
         yield " ".join(words)
 
 
-def _train(num_base: int) -> HFTokenizer:
-    """Byte-level BPE with Kimi's pre-tokenizer regex and exactly `num_base` tokens (no specials yet)."""
+def _train(num_base: int, corpus: Sequence[str] | None = None) -> HFTokenizer:
+    """Byte-level BPE with Kimi's pre-tokenizer regex and exactly `num_base` tokens (no specials yet).
+
+    Trained on `corpus` when given (pseudo-word filler is added only if it cannot fill the vocab), else on the
+    built-in text."""
+    base_corpus = list(corpus) if corpus is not None else _CORPUS.splitlines(keepends=True)
     num_filler = 0
     while True:
         tok = HFTokenizer(models.BPE())
@@ -157,7 +161,7 @@ def _train(num_base: int) -> HFTokenizer:
             special_tokens=[],
             show_progress=False,
         )
-        tok.train_from_iterator([*_CORPUS.splitlines(keepends=True), *_filler(num_filler)], trainer)
+        tok.train_from_iterator([*base_corpus, *_filler(num_filler)], trainer)
         if tok.get_vocab_size() == num_base:
             return tok
         if num_filler >= _MAX_FILLER_LINES:
@@ -172,6 +176,7 @@ def write_tiny_tokenizer(
     fmt: str = "tokenizers",
     model_max_length: int = 1_048_576,
     flavor: str = "k2",
+    corpus: Sequence[str] | None = None,
 ) -> dict[str, int]:
     """Train and write a tiny tokenizer whose vocab, specials included, has exactly `vocab_size` ids.
 
@@ -183,6 +188,7 @@ def write_tiny_tokenizer(
         fmt: "tokenizers" or "tiktoken". Both hold the same byte-level BPE (tiktoken rank == tokenizers id).
         model_max_length: written to `tokenizer_config.json`.
         flavor: "k2" (Kimi K2 / Kimi Linear specials, the default) or "k3" (Kimi K3's XTML specials).
+        corpus: training texts for the BPE (none: the built-in corpus); used for the embedded default model.
 
     Returns:
         {"bos_token_id": [BOS], "eos_token_id": the config eos (<|im_end|> for k2, <|end_of_msg|> for k3),
@@ -197,7 +203,7 @@ def write_tiny_tokenizer(
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
     num_base = vocab_size - len(specials)
-    tok = _train(num_base)
+    tok = _train(num_base, corpus)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     ids = {t: tok.token_to_id(t) for t in specials}
     if list(ids.values()) != list(range(num_base, vocab_size)):  # invariant of add_special_tokens on a fresh vocab

@@ -163,3 +163,15 @@ def test_queue_full_returns_503_with_retry_after(tiny_dir, tmp_path):
         _still_serving(small)
     finally:
         stop_server(small)
+
+
+def test_reset_prefix_cache_endpoint(server):
+    body = {"model": "tiny", "prompt": list(range(40, 140)), "max_tokens": 2, "temperature": 0}
+    assert _post(server, "/v1/completions", body).status_code == 200
+    warm = _post(server, "/v1/completions", body).json()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert _post(server, "/reset_prefix_cache", {}, headers={}).status_code == 401
+    assert _post(server, "/reset_prefix_cache", {}).status_code == 200
+    cold = _post(server, "/v1/completions", body).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cold["choices"][0]["text"] == warm["choices"][0]["text"]

@@ -198,3 +198,16 @@ def test_thinking_on_reports_reasoning(client):
     assert isinstance(reasoning, str)
     assert (reasoning or "") + (on.choices[0].message.content or "")  # the tokens went to a channel
     assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
+
+
+def test_regex_constraint_on_completions_and_chat(client):
+    import re
+
+    pattern = r"(yes|no), [0-9]{1,3}"
+    comp = client.completions.create(model="tiny", prompt="Answer:", max_tokens=20, temperature=0.9, seed=1,
+                                     extra_body={"structured_outputs": {"regex": pattern}})
+    assert re.fullmatch(pattern, comp.choices[0].text) and comp.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "yes or no?"}],
+                                          max_tokens=20, temperature=0.9, seed=2,
+                                          extra_body={"guided_regex": pattern})
+    assert re.fullmatch(pattern, chat.choices[0].message.content)

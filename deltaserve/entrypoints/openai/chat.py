@@ -107,8 +107,9 @@ class ChatPlan:
 
 def _response_format(body: ChatCompletionRequest) -> StructuredOutput | None:
     rf = body.response_format
-    if body.guided_regex is not None:
-        return StructuredOutput("regex", body.guided_regex)
+    extra = body.structured_extra()
+    if extra is not None:
+        return extra
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":

@@ -42,6 +42,9 @@ class CompletionPlan:
                 raise bad_request("prompt is empty", param="prompt")
             self.prompts.append(ids)
             self.texts.append(p if isinstance(p, str) else frontend.tokenizer.decode(ids))
+        structured = body.structured_extra()
+        if structured is not None:
+            frontend.validate_structured(structured, param="structured_outputs")
         self.params: list[SamplingParams] = []
         for ids in self.prompts:
             if body.max_tokens is None:  # OpenAI's default for completions: 16, within the context
@@ -49,7 +52,7 @@ class CompletionPlan:
             else:
                 max_tokens = frontend.resolve_max_tokens(len(ids), body.max_tokens, prompt_param="prompt")
             self.params.append(body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs,
-                                                    max_n=frontend.config.max_n))
+                                                    max_n=frontend.config.max_n, structured=structured))
         self.n = body.n
         self.echo = body.echo
 

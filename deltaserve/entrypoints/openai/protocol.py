@@ -7,6 +7,7 @@ Unknown fields are ignored, as the OpenAI API does.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +22,15 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class StructuredOutputsParam(_Request):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a Lark grammar or any JSON object."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
 
 class SamplingFields(_Request):
@@ -46,6 +56,26 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputsParam | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+
+    def structured_extra(self) -> StructuredOutput | None:
+        """vLLM's structured-output fields (`structured_outputs`, or the older `guided_*`), if any is set."""
+        so = self.structured_outputs or StructuredOutputsParam(json=self.guided_json, regex=self.guided_regex,
+                                                               grammar=self.guided_grammar)
+        given = [k for k in ("json", "regex", "grammar") if getattr(so, k) is not None] + (
+            ["json_object"] if so.json_object else [])
+        if len(given) > 1:
+            raise bad_request(f"give one structured output constraint, got {given}", param="structured_outputs")
+        if so.json is not None:
+            return StructuredOutput("json_schema", so.json if isinstance(so.json, str) else json.dumps(so.json))
+        if so.regex is not None:
+            return StructuredOutput("regex", so.regex)
+        if so.grammar is not None:
+            return StructuredOutput("lark", so.grammar)
+        return StructuredOutput("json_object") if so.json_object else None
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, max_n: int,
                         structured: StructuredOutput | None = None, skip_special_tokens: bool | None = None
@@ -154,5 +184,3 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's structured-output extras
-    guided_regex: str | None = None

@@ -139,6 +139,12 @@ def build_app(frontend: Frontend) -> FastAPI:
             "id": frontend.model_name, "object": "model", "created": int(time.time()), "owned_by": "deltaserve",
             "max_model_len": frontend.max_model_len}]})
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        _authorize(frontend, request)
+        await frontend.client.get_stats(reset_prefix_cache=True)
+        return JSONResponse({"status": "ok"})
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if frontend.client.is_alive else 503)

@@ -1,0 +1,17 @@
+"""The embedded default model: a small Kimi Linear checkpoint trained offline (`scripts/train_tiny.py`), package data.
+
+`LLM()` and `deltaserve serve` without a model load it; its data, command, seed and held-out results are in
+`MODEL_CARD.md` beside this file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "deltaserve-tiny-tools"
+"""The name the server reports for the embedded model when no `--served-model-name` is given."""
+
+
+def default_model_dir() -> Path:
+    """Directory of the embedded checkpoint (config.json, model.safetensors, tokenizer files)."""
+    return Path(__file__).resolve().parent
