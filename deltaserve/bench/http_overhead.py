@@ -39,6 +39,8 @@ class HttpBenchArgs:
     """Seed of the random prompts."""
     port: int = 8765
     """Port of the server started for the benchmark."""
+    num_threads: int | None = None
+    """torch threads of the engine on both sides (default: torch's choice)."""
     result_file: str | None = None
     """Write the results as JSON here."""
 
@@ -54,7 +56,7 @@ def run_engine(args: HttpBenchArgs, model: str, prompts: list[list[int]]) -> dic
     from deltaserve.engine.engine_core import EngineCore
     from deltaserve.sampling_params import SamplingParams
 
-    engine = EngineCore(EngineConfig(model=model))
+    engine = EngineCore(EngineConfig(model=model, num_threads=args.num_threads))
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts[:4]):  # warm-up, no shared prefix with the timed prompts
         engine.add_request(f"w{i}", p[::-1], params)
@@ -98,6 +100,8 @@ def run_server(args: HttpBenchArgs, model: str, prompts: list[list[int]]) -> dic
 
     cmd = [sys.executable, "-m", "deltaserve.entrypoints.cli", "--log-level", "WARNING", "serve", "--model", model,
            "--port", str(args.port), "--served-model-name", "bench"]
+    if args.num_threads is not None:
+        cmd += ["--num-threads", str(args.num_threads)]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{args.port}"
     try:

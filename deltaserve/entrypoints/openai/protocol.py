@@ -27,7 +27,7 @@ class StreamOptions(_Request):
 class StructuredOutputsParam(_Request):
     """vLLM's `structured_outputs`: one of a JSON schema, a regex, a Lark grammar or any JSON object."""
 
-    json: dict[str, Any] | str | None = None
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     grammar: str | None = None
     json_object: bool = False
@@ -65,12 +65,13 @@ class SamplingFields(_Request):
         """vLLM's structured-output fields (`structured_outputs`, or the older `guided_*`), if any is set."""
         so = self.structured_outputs or StructuredOutputsParam(json=self.guided_json, regex=self.guided_regex,
                                                                grammar=self.guided_grammar)
-        given = [k for k in ("json", "regex", "grammar") if getattr(so, k) is not None] + (
+        given = [k for k in ("json_schema", "regex", "grammar") if getattr(so, k) is not None] + (
             ["json_object"] if so.json_object else [])
         if len(given) > 1:
             raise bad_request(f"give one structured output constraint, got {given}", param="structured_outputs")
-        if so.json is not None:
-            return StructuredOutput("json_schema", so.json if isinstance(so.json, str) else json.dumps(so.json))
+        if so.json_schema is not None:
+            schema = so.json_schema
+            return StructuredOutput("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
         if so.regex is not None:
             return StructuredOutput("regex", so.regex)
         if so.grammar is not None:
