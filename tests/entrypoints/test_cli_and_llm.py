@@ -104,9 +104,9 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 
 
 def test_bad_dtype_and_missing_model():
-    """LLM rejects an unknown dtype and a missing model with errors naming them."""
-    with pytest.raises(ValueError, match="model is required"):
-        LLM()
+    """LLM rejects an unknown dtype and a missing model directory with errors naming them."""
+    with pytest.raises((ValueError, FileNotFoundError), match="nonexistent"):
+        LLM(model="/nonexistent")
     with pytest.raises(ValueError, match="dtype"):
         LLM(model="/nonexistent", dtype="float16")
 
