@@ -32,7 +32,6 @@ def _prompts(llm: LLM) -> list[list[int]]:
         fmt.render([user], tools=[WEATHER], thinking=False),
         fmt.render([ChatMessage(role="user", content="What is the capital of France?")], thinking=False),
         fmt.render([ChatMessage(role="user", content="Calculate 12 * 7.")], tools=[WEATHER], thinking=True),
-        llm.tokenizer.encode("def fibonacci(n):\n    ", allow_special=False),
     ]
 
 
@@ -71,7 +70,7 @@ def test_greedy_output_matches_transformers(llm):
     hf = transformers.KimiLinearForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32,
                                                             experts_implementation="eager").eval()
     prompts = _prompts(llm)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
     for ids, out in zip(prompts, outs, strict=True):
         ours = out.outputs[0].token_ids
         ref = hf_greedy(hf, ids, len(ours))
