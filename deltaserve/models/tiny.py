@@ -156,16 +156,20 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = TinySpec()) -> P
     if spec.dense_name == "block_sparse_moe":
         weights = {_to_block_sparse_name(k, config): v for k, v in weights.items()}
     _save(weights, out, spec.shard_bytes)
+    write_metadata(out, raw, special_ids, spec)
+    return out
+
+
+def write_metadata(out: Path, raw: dict, special_ids: dict[str, int], spec: object) -> None:
+    """config.json, generation_config.json (stop on the config eos and [EOS], model-spec §11) and tiny_spec.json."""
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     generation = {
         "bos_token_id": special_ids["bos_token_id"],
-        # Stop on <|im_end|> (the config eos) and [EOS], as Kimi does (model-spec §11.1).
         "eos_token_id": [special_ids["eos_token_id"], Tokenizer.from_pretrained(out).special_tokens["[EOS]"]],
         "pad_token_id": special_ids["pad_token_id"],
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (out / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
-    return out
 
 
 def _to_block_sparse_name(name: str, config: ModelConfig) -> str:

@@ -3,8 +3,7 @@ tensor names, MXFP4 routed experts, K3's XTML special tokens. Weights are drawn 
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,8 @@ from deltaserve.models.quantize import (
     quantize_expert_tensors,
     to_gpt_oss_layout,
 )
-from deltaserve.models.tiny import TinySpec, _save, random_weights, tiny_config_dict
+from deltaserve.models.tiny import TinySpec, _save, random_weights, tiny_config_dict, write_metadata
 from deltaserve.text.tiny_tokenizer import write_tiny_tokenizer
-from deltaserve.text.tokenizer import Tokenizer
 
 EXPERT_FORMATS = ("compressed-tensors", "gpt-oss", "dense")
 
@@ -78,13 +76,5 @@ def write_tiny_k3_checkpoint(out_dir: str | Path, spec: TinySpec) -> Path:
     if spec.expert_format == "gpt-oss":
         weights = to_gpt_oss_layout(weights)
     _save(weights, out, spec.shard_bytes)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    generation = {
-        "bos_token_id": special_ids["bos_token_id"],
-        # Stop on <|end_of_msg|> (the config eos) and [EOS] (model-spec §11.2).
-        "eos_token_id": [special_ids["eos_token_id"], Tokenizer.from_pretrained(out).special_tokens["[EOS]"]],
-        "pad_token_id": special_ids["pad_token_id"],
-    }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    (out / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    write_metadata(out, raw, special_ids, spec)  # stops on <|end_of_msg|> (the config eos) and [EOS]
     return out

@@ -16,7 +16,7 @@ from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.entrypoints.anthropic.protocol import ContentBlock, MessagesRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
-from deltaserve.entrypoints.server.frontend import ChatProcessor, Frontend, SequenceUpdate
+from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, chat_processors
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 
@@ -120,12 +120,8 @@ class MessagesPlan:
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
 
-
-def _factory(frontend: Frontend, plan: MessagesPlan):
-    def make(params: SamplingParams) -> ChatProcessor:
-        return ChatProcessor(frontend.chat_format.make_parser(frontend.tokenizer, thinking=plan.thinking,
-                                                              tools=plan.tools_active), params)
-    return make
+    def processors(self, frontend: Frontend):  # noqa: ANN201 - a SequenceProcessor factory
+        return chat_processors(frontend, thinking=self.thinking, tools=self.tools_active)
 
 
 def _stop_reason(reason: str | None, stop_string: str | None, has_tool_calls: bool) -> str:
@@ -149,7 +145,7 @@ async def create_message(frontend: Frontend, body: MessagesRequest) -> dict[str,
     frontend.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(1)
-    async for update in frontend.generate(message_id, plan.prompt_ids, plan.params, _factory(frontend, plan)):
+    async for update in frontend.generate(message_id, plan.prompt_ids, plan.params, plan.processors(frontend)):
         acc.add(update)
     c = acc.choices[0]
     content: list[dict[str, Any]] = []
@@ -177,7 +173,7 @@ async def create_message_stream(frontend: Frontend, body: MessagesRequest) -> As
     plan = MessagesPlan(frontend, body)
     frontend.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
-    stream = frontend.generate(message_id, plan.prompt_ids, plan.params, _factory(frontend, plan))
+    stream = frontend.generate(message_id, plan.prompt_ids, plan.params, plan.processors(frontend))
     return _events(frontend, plan, message_id, stream)
 
 

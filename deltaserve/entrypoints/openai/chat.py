@@ -17,7 +17,7 @@ from deltaserve.entrypoints.openai.logprobs import chat_logprobs
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
-from deltaserve.entrypoints.server.frontend import ChatProcessor, Frontend, SequenceUpdate
+from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, chat_processors
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 
@@ -104,6 +104,9 @@ class ChatPlan:
             max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             max_n=frontend.config.max_n, structured=structured)
 
+    def processors(self, frontend: Frontend):  # noqa: ANN201 - a SequenceProcessor factory
+        return chat_processors(frontend, thinking=self.thinking, tools=self.tools_active)
+
 
 def _response_format(body: ChatCompletionRequest) -> StructuredOutput | None:
     rf = body.response_format
@@ -125,7 +128,7 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(plan.params.n)
-    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, _processor_factory(frontend, plan))
+    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend))
     async for update in stream:
         acc.add(update)
     choices = []
@@ -154,7 +157,7 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
     plan = ChatPlan(frontend, body)
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, _processor_factory(frontend, plan))
+    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return _events(frontend, plan, request_id, stream, include_usage)
 
@@ -220,11 +223,3 @@ def _finish(reason: str | None, has_tool_calls: bool) -> str | None:
     if reason == "stop" and has_tool_calls:
         return "tool_calls"
     return reason
-
-
-def _processor_factory(frontend: Frontend, plan: ChatPlan):
-    def make(params: SamplingParams) -> ChatProcessor:
-        parser = frontend.chat_format.make_parser(frontend.tokenizer, thinking=plan.thinking,
-                                                  tools=plan.tools_active)
-        return ChatProcessor(parser, params)
-    return make

@@ -75,6 +75,14 @@ class ChatProcessor:
         return dataclasses.replace(delta, content=content), stop
 
 
+def chat_processors(frontend: Frontend, *, thinking: bool, tools: bool) -> Callable[[SamplingParams], ChatProcessor]:
+    """Per-sequence factory for chat routes: the chat format's output parser plus stop strings."""
+    def make(params: SamplingParams) -> ChatProcessor:
+        parser = frontend.chat_format.make_parser(frontend.tokenizer, thinking=thinking, tools=tools)
+        return ChatProcessor(parser, params)
+    return make
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SequenceUpdate:
     """What one engine step (or the end) adds to output sequence `index`."""
