@@ -318,18 +318,63 @@ def _expression(rng: random.Random) -> str:
     return f"({a} {rng.choice(ops[:2])} {b}) {rng.choice(ops[2:])} {c}"
 
 
+_ONSETS = "b c d f g h j k l m n p r s t v w z br ch cr dr gr kr pl pr sh st tr".split()
+_VOWELS = "a e i o u a e o ia ou".split()
+_CODAS = ["", "", "", "n", "r", "s", "l", "m", "t", "k"]
+_REGIONS = "Europe Asia Africa America Australia Pacific Atlantic Indian".split()
+_EXTS = "py md txt json yaml csv log rs go c h js ts toml cfg ini dat bin out tmp bak conf lock".split()
+
+
+def _pseudo_word(rng: random.Random, syllables: tuple[int, int] = (2, 3)) -> str:
+    """A pronounceable made-up word; values like this cannot be memorised, only copied from the question."""
+    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                   for _ in range(rng.randint(*syllables)))
+
+
+def _synthetic_value(kind: str, rng: random.Random) -> str:
+    """A random argument value of `kind` (city, timezone, pattern, directory) for copy training."""
+    if kind == "city":
+        words = [_pseudo_word(rng).capitalize() for _ in range(1 if rng.random() < 0.8 else 2)]
+        return " ".join(words)
+    if kind == "timezone":
+        return f"{rng.choice(_REGIONS)}/{'_'.join(_pseudo_word(rng).capitalize() for _ in range(rng.randint(1, 2)))}"
+    if kind == "pattern":
+        form = rng.random()
+        ext = rng.choice(_EXTS) if rng.random() < 0.5 else _pseudo_word(rng, (1, 1))
+        if form < 0.6:
+            return f"*.{ext}"
+        if form < 0.8:
+            return f"{_pseudo_word(rng, (1, 2))}_*"
+        return f"{_pseudo_word(rng, (1, 2))}*.{ext}"
+    parts = [_pseudo_word(rng, (1, 2)) for _ in range(rng.randint(1, 2))]
+    root = rng.choice(["", "", "~/", "/", "./"])
+    return root + "/".join(parts)
+
+
+_PREFIXES = ["Hey, ", "Hi! ", "Quick question: ", "Hello. ", "Please help: ", "OK, ", "So, ", "One thing: "]
+_SUFFIXES = [" Thanks.", " Thank you!", " Please.", " Thanks a lot.", " Cheers."]
+
+
 def _number(rng: random.Random) -> float | int:
     return rng.randint(1, 500) if rng.random() < 0.7 else round(rng.uniform(0.5, 300), 1)
 
 
-def _tool_task(kind: str, split: str, rng: random.Random) -> tuple[str, dict[str, Any], dict[str, str]]:
-    """(tool name, arguments, template fields) for one task of `kind`."""
+def _tool_task(kind: str, split: str, rng: random.Random,
+               synthetic: float = 0.0) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """(tool name, arguments, template fields) for one task of `kind`; `synthetic`: share of made-up values."""
     held = split == "heldout"
+
+    def pick(pool: list[str], heldout_pool: list[str], value_kind: str) -> str:
+        # `synthetic` is 0 for the held-out split and for stage 1, which then draws exactly as before.
+        if synthetic and rng.random() < synthetic:
+            return _synthetic_value(value_kind, rng)
+        return rng.choice(heldout_pool if held else pool)
+
     if kind == "calculator":
         expr = _expression(rng)
         return "calculator", {"expression": expr}, {"expr": expr}
     if kind in ("get_weather", "get_weather_f"):
-        city = rng.choice(HELDOUT_CITIES if held else CITIES)
+        city = pick(CITIES, HELDOUT_CITIES, "city")
         args: dict[str, Any] = {"city": city}
         if kind == "get_weather_f":
             args["unit"] = "fahrenheit"
@@ -340,13 +385,13 @@ def _tool_task(kind: str, split: str, rng: random.Random) -> tuple[str, dict[str
         return "convert_units", {"value": value, "from_unit": src, "to_unit": dst}, {
             "value": str(value), "from_unit": src, "to_unit": dst}
     if kind in ("search_files", "search_files_nodir"):
-        pattern = rng.choice(HELDOUT_PATTERNS if held else PATTERNS)
+        pattern = pick(PATTERNS, HELDOUT_PATTERNS, "pattern")
         if kind == "search_files_nodir":
             return "search_files", {"pattern": pattern}, {"pattern": pattern}
-        directory = rng.choice(HELDOUT_DIRECTORIES if held else DIRECTORIES)
+        directory = pick(DIRECTORIES, HELDOUT_DIRECTORIES, "directory")
         return "search_files", {"pattern": pattern, "directory": directory}, {
             "pattern": pattern, "directory": directory}
-    tz = rng.choice(HELDOUT_TIMEZONES if held else TIMEZONES)
+    tz = pick(TIMEZONES, HELDOUT_TIMEZONES, "timezone")
     return "get_time", {"timezone": tz}, {"timezone": tz}
 
 
@@ -356,14 +401,23 @@ _KIND_WEIGHTS = {
 }  # fmt: skip
 
 
-def make_tool_conversation(split: str, rng: random.Random, thinking: bool) -> Conversation:
-    """One tool task of a random kind, phrased with a template of `split`."""
+def make_tool_conversation(split: str, rng: random.Random, thinking: bool, synthetic: float = 0.0) -> Conversation:
+    """One tool task of a random kind, phrased with a template of `split`.
+
+    `synthetic` (train split only) is the share of made-up argument values (and of user turns with a random
+    greeting or thanks around the template): with values that cannot be memorised the model has to learn to copy
+    them from the question, which is what held-out values need.
+    """
+    if synthetic and split != "train":
+        raise ValueError("synthetic values are for the train split only")
     kind = rng.choices(list(_KIND_WEIGHTS), weights=list(_KIND_WEIGHTS.values()))[0]
-    name, args, fields = _tool_task(kind, split, rng)
+    name, args, fields = _tool_task(kind, split, rng, synthetic)
     template = rng.choice(PHRASES[kind][1 if split == "heldout" else 0])
     user = template.format(**fields)
     if rng.random() < 0.15 and split == "train":
         user = user[0].lower() + user[1:]
+    if synthetic and rng.random() < synthetic / 2:
+        user = rng.choice(_PREFIXES) + user if rng.random() < 0.5 else user + rng.choice(_SUFFIXES)
     result = run_tool(name, args)
     return Conversation(user, name, args, result, answer_text(name, args, result), thinking)
 
@@ -381,16 +435,18 @@ def make_plain_conversation(split: str, rng: random.Random, thinking: bool) -> C
 
 
 def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.15,
-                       thinking_share: float = 0.3) -> list[Conversation]:
-    """`n` conversations of `split` ("train" or "heldout"), deterministic in `seed`."""
+                       thinking_share: float = 0.3, synthetic: float = 0.0) -> list[Conversation]:
+    """`n` conversations of `split` ("train" or "heldout"), deterministic in `seed` (see make_tool_conversation)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}")
     rng = random.Random(f"{split}-{seed}")
     out = []
     for _ in range(n):
         thinking = rng.random() < thinking_share
-        make = make_plain_conversation if rng.random() < plain_share else make_tool_conversation
-        out.append(make(split, rng, thinking))
+        if rng.random() < plain_share:
+            out.append(make_plain_conversation(split, rng, thinking))
+        else:
+            out.append(make_tool_conversation(split, rng, thinking, synthetic))
     return out
 
 

@@ -321,6 +321,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core machine)")
     ap.add_argument("--time-limit-min", type=float, default=0, help="stop early (and save) after this many minutes")
     ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--synthetic", type=float, default=0.0,
+                    help="share of tool tasks with made-up argument values (copy training; see make_tool_data.py)")
+    ap.add_argument("--init-from", default=None,
+                    help="continue from this checkpoint (its weights, config and tokenizer) instead of a fresh model")
     ap.add_argument("--check-kda", action="store_true", help="compare the training KDA with the reference and exit")
     return ap.parse_args()
 
@@ -336,19 +340,31 @@ def main() -> None:  # noqa: PLR0915 - a linear script
     work = Path(args.work)
     tok_dir = work / "tokenizer"
     code_texts = read_code("train", CODE_CHARS)
-    special = build_tokenizer(tok_dir, code_texts, args.seed)
+    if args.init_from:  # stage 2: keep the checkpoint's tokenizer and config
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            shutil.copy(Path(args.init_from) / name, tok_dir / name)
+        raw = json.loads((tok_dir / "config.json").read_text())
+        special = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    else:
+        special = build_tokenizer(tok_dir, code_texts, args.seed)
+        raw = tiny_config_dict(SPEC, special)
+        raw["model_max_length"] = MAX_LEN
+        (tok_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")  # lets get_chat_format pick kimi_k2
     tok = Tokenizer.from_pretrained(tok_dir)
-    raw = tiny_config_dict(SPEC, special)
-    raw["model_max_length"] = MAX_LEN
-    (tok_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")  # lets get_chat_format pick kimi_k2
     fmt = get_chat_format(tok_dir, tok)
-    convs = [render_example(fmt, c) for c in make_conversations("train", args.conversations, args.seed)]
+    convs = [render_example(fmt, c)
+             for c in make_conversations("train", args.conversations, args.seed, synthetic=args.synthetic)]
     code = tokenize_code(tok_dir, code_texts)
     lens = [len(c[0]) for c in convs]
     print(f"data: {len(convs)} conversations (mean {sum(lens) / len(lens):.0f} tokens, max {max(lens)}), "
           f"{len(code)} code tokens from {len(code_texts)} files; prep {time.time() - t0:.0f}s", flush=True)
     batches = Batches(convs, code, args.seq_len, args.seed, args.code_rows)
-    model = make_model(raw, args.seed, device)
+    if args.init_from:
+        model = make_model_eval(args.init_from).to(device)
+        print(f"initialised from {args.init_from}", flush=True)
+    else:
+        model = make_model(raw, args.seed, device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters on {device}, {args.threads} threads", flush=True)
@@ -364,6 +380,8 @@ def main() -> None:  # noqa: PLR0915 - a linear script
     }
     meta = {"seed": args.seed, "args": vars(args), "spec": SPEC.__class__.__name__, "parameters": n_params,
             "log": []}
+    if args.init_from:  # keep the earlier stages' records: the checkpoint's history is all of them
+        meta["previous_stage"] = json.loads((Path(args.init_from) / "training.json").read_text())
     t_train = time.time()
     tokens = 0
     step = 0

@@ -2,8 +2,10 @@
 
 Both sides get the same random prompts (fixed input length) and must produce exactly `output_len` tokens each
 (eos ignored); transformers runs them as one batch through `generate` (the prompts have equal lengths, so no
-padding is needed). Prints output tokens/s of each, their ratio, and the share of deltaserve's step time spent
-outside the model forward (scheduling, batch building, sampling, detokenizing).
+padding is needed). Prints output tokens/s of each, their ratio, the share of deltaserve's step time spent
+outside the model forward (scheduling, batch building, sampling, detokenizing), and the share of the decode
+roofline its pure decode steps reach (`bench/roofline.py`: bytes and FLOPs per step against the device's
+measured or known ceilings).
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deltaserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,10 @@ class OfflineBenchArgs:
     """deltaserve's per-step token budget."""
     result_file: str | None = None
     """Write the results as JSON here."""
+    roofline: bool = True
+    """Report the share of the decode roofline (bytes per step / bandwidth) reached by deltaserve's decode steps."""
+    peak_bandwidth_gbs: float | None = None
+    """Memory bandwidth ceiling in GB/s for the roofline (default: known figure for the GPU, else measured)."""
 
 
 def random_prompts(vocab: int, num: int, length: int, seed: int) -> list[list[int]]:
@@ -66,14 +76,44 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
     # timed (other prompts, so that prefix caching, on as by default, gets no hits from them).
     llm.generate(warmup_prompts(prompts), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     stats_before = (llm.engine.stats.total_seconds, llm.engine.stats.forward_seconds)
+    decode_steps: list[tuple[list[int], float]] = []  # (context of each sequence, seconds) of pure decode steps
+
+    def observe(out: SchedulerOutput, seconds: float) -> None:
+        if out.chunks and all(len(c.new_token_ids) == 1 and c.num_computed_tokens for c in out.chunks):
+            decode_steps.append(([c.num_computed_tokens + 1 for c in out.chunks], seconds))
+
+    llm.engine.step_observer = observe
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    llm.engine.step_observer = None
     total = llm.engine.stats.total_seconds - stats_before[0]
     forward = llm.engine.stats.forward_seconds - stats_before[1]
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed,
-            "engine_overhead_share": 1 - forward / total, "frontend_share": 1 - total / elapsed}
+    result = {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed,
+              "engine_overhead_share": 1 - forward / total, "frontend_share": 1 - total / elapsed}
+    if args.roofline:
+        result["roofline"] = decode_roofline(args, llm.engine.runner.model, decode_steps)
+    return result
+
+
+def decode_roofline(args: OfflineBenchArgs, model, decode_steps: list[tuple[list[int], float]]) -> dict:
+    """The §4 roofline share of the measured pure decode steps, with the ceilings and bytes it used."""
+    from dataclasses import replace
+
+    from deltaserve.bench.roofline import measure_ceilings, model_bytes, roofline_share
+
+    param = next(model.parameters())
+    ceilings = measure_ceilings(param.device, param.dtype)
+    if args.peak_bandwidth_gbs is not None:
+        ceilings = replace(ceilings, bandwidth=args.peak_bandwidth_gbs * 1e9,
+                           source=f"bandwidth from --peak-bandwidth-gbs; FLOP/s {ceilings.source}")
+    mb = model_bytes(model)
+    share = roofline_share(mb, ceilings, decode_steps)
+    return {"share": share.share, "decode_steps": share.steps, "mean_batch": share.mean_batch,
+            "mean_step_ms": share.mean_step_ms, "mean_bound_ms": share.mean_bound_ms,
+            "mean_bytes_per_step": share.mean_bytes, "bandwidth_bytes_per_s": ceilings.bandwidth,
+            "flops_per_s": ceilings.flops, "ceilings_source": ceilings.source, "model_bytes": asdict(mb)}
 
 
 def run_transformers(args: OfflineBenchArgs, model: str, prompts: list[list[int]]) -> dict[str, float]:
@@ -114,6 +154,12 @@ def run(args: OfflineBenchArgs) -> dict:
     print(f"deltaserve:   {ours['output_throughput']:8.1f} output tok/s ({ours['seconds']:.2f} s); "
           f"{ours['engine_overhead_share']:.1%} of engine step time outside the model forward, "
           f"{ours['frontend_share']:.1%} of wall time in the frontend", flush=True)
+    if "roofline" in ours:
+        r = ours["roofline"]
+        print(f"decode roofline: {r['share']:.1%} over {r['decode_steps']} decode steps (mean batch "
+              f"{r['mean_batch']:.1f}: {r['mean_bytes_per_step'] / 2**20:.1f} MiB/step, bound {r['mean_bound_ms']:.2f} "
+              f"ms, measured {r['mean_step_ms']:.2f} ms; {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+              f"{r['flops_per_s'] / 1e12:.2f} TFLOP/s, {r['ceilings_source']})", flush=True)
     if args.baseline:
         print("running transformers generate (one batch) ...", flush=True)
         hf = run_transformers(args, model, prompts)

@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -98,6 +99,8 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks=layout.num_blocks, block_size=cc.block_size,
                                   num_slots=layout.num_slots + num_ckpt)
         self.stats = StepStats()
+        self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
+        """Called after every step with what was scheduled and the step's seconds (benchmarks use it)."""
         self.structured = StructuredOutputManager(
             config.structured_output_backend, lambda: Tokenizer.from_pretrained(config.model),
             self.model_config.vocab_size,
@@ -181,9 +184,12 @@ class EngineCore:
         result = self.runner.execute(out)
         events = self.scheduler.update_from_output(out, result)
         rejected = self._advance_grammars(events)
+        elapsed = time.perf_counter() - start
         self.stats.steps += 1
-        self.stats.total_seconds += time.perf_counter() - start
+        self.stats.total_seconds += elapsed
         self.stats.forward_seconds += result.forward_seconds
+        if self.step_observer is not None:
+            self.step_observer(out, elapsed)
         for e in events:
             error = rejected.get(e.request.request_id)
             outputs.append(EngineCoreOutput(

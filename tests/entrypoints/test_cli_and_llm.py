@@ -120,3 +120,7 @@ def test_bench_offline_runs_and_writes_json(tiny_dir, tmp_path):
     data = json.loads(result.read_text())
     assert data["deltaserve"]["output_tokens"] == 12 and data["deltaserve"]["output_throughput"] > 0
     assert data["config"]["num_prompts"] == 3
+    roof = data["deltaserve"]["roofline"]
+    # 4 tokens each: the first comes out of the prefill step, the other 3 out of pure decode steps of all 3 prompts.
+    assert roof["decode_steps"] == 3 and roof["mean_batch"] == 3
+    assert 0 < roof["share"] < 1 and roof["bandwidth_bytes_per_s"] > 0 and roof["mean_bytes_per_step"] > 0
