@@ -29,6 +29,9 @@ class ForwardBatch:
     """[N, max_blocks] int64 MLA KV blocks of each sequence (padding entries: any valid block id)."""
     slot_mapping: torch.Tensor
     """[T] int64 flat KV cache row (block_id * block_size + offset) of each new token."""
+    decode_slot_range: slice | None = None
+    """`slice(a, a + num_decodes)` when the decode rows' state slots are `a, a + 1, ...` in row order (the common
+    case: slots are handed out lowest first): their state is then updated in place, with no gather or scatter."""
     checkpoint_positions: tuple[tuple[int, ...], ...] | None = None
     """Per prefill sequence (index i - num_decodes), positions within this step's tokens after which the KDA state
     (recurrent state and conv window) is saved: prefix-cache checkpoints. None for none."""

@@ -63,8 +63,9 @@ class KDAttention(nn.Module):
         # Conv windows at checkpoint positions need the windows the prefill sequences start from.
         start_windows = cache.conv.index_select(0, batch.state_indices[nd:]) if saving else None
         parts = []
+        decode_slots = batch.decode_slot_range if batch.decode_slot_range is not None else batch.state_indices[:nd]
         if nd:
-            parts.append(short_conv_decode(mixed[:nd], conv_w, cache.conv, batch.state_indices[:nd]))
+            parts.append(short_conv_decode(mixed[:nd], conv_w, cache.conv, decode_slots))
         if nd < t:
             parts.append(
                 short_conv_prefill(
@@ -81,8 +82,7 @@ class KDAttention(nn.Module):
             beta = torch.sigmoid(b).float()  # [T, H]
         outs = []
         if nd:
-            idx = batch.state_indices[:nd]
-            outs.append(kda_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.state, idx))
+            outs.append(kda_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.state, decode_slots))
         if nd < t:
             o, ckpts = kda_prefill(
                 q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cache.state, batch.state_indices[nd:],

@@ -117,12 +117,16 @@ class ModelRunner:
         slot_mapping = block * self.block_size + positions % self.block_size
         ids = torch.tensor([t for c in ordered for t in c.new_token_ids], dtype=torch.int64)
         dev = self.device
-        prefills = ordered[sum(is_decode) :]
+        num_decodes = sum(is_decode)
+        prefills = ordered[num_decodes:]
         saving = any(c.checkpoints for c in prefills)
+        decode_slots = [c.state_slot for c in ordered[:num_decodes]]
+        consecutive = decode_slots and decode_slots == list(range(decode_slots[0], decode_slots[0] + num_decodes))
         batch = ForwardBatch(
             cu_seqlens=cu.to(dev),
             context_lens=(computed + lens).to(dev),
-            num_decodes=sum(is_decode),
+            num_decodes=num_decodes,
+            decode_slot_range=slice(decode_slots[0], decode_slots[0] + num_decodes) if consecutive else None,
             state_indices=torch.tensor([c.state_slot for c in ordered], dtype=torch.int64, device=dev),
             block_tables=tables.to(dev),
             slot_mapping=slot_mapping.to(dev),

@@ -256,3 +256,19 @@ def test_kda_prefill_bf16_io(gen: torch.Generator) -> None:
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
     assert_close("output", ref_o.to(torch.bfloat16).float(), o.float(), rtol=0.0)
     assert_close("state", ref_S, S, rtol=0.0)
+
+
+@pytest.mark.parametrize(("dtype", "pool_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.float64),
+                                                   (torch.float64, torch.float32)], ids=["fp32", "fp64_pool", "fp64_q"])
+def test_kda_decode_slot_range_equals_indices(gen: torch.Generator, dtype: torch.dtype, pool_dtype: torch.dtype):
+    """Consecutive slots given as a slice (updated in place, no gather) give bit-identical outputs and states."""
+    N, H, K, V = 4, 3, 24, 40
+    q, k, v, g, beta = make_inputs(gen, N, H, K, V, dtype=dtype)
+    pool = torch.full((9, H, K, V), SENTINEL, dtype=pool_dtype)
+    pool[3:7] = torch.randn(N, H, K, V, generator=gen, dtype=pool_dtype)
+    by_index = pool.clone()
+    o_index = kda_decode(q, k, v, g, beta, by_index, torch.arange(3, 7))
+    o_slice = kda_decode(q, k, v, g, beta, pool, slice(3, 7))
+    assert torch.equal(o_index, o_slice)
+    assert torch.equal(by_index, pool)  # updated slots identical, the others still the sentinel
+    assert_slots_untouched(pool, [3, 4, 5, 6])

@@ -156,3 +156,17 @@ def test_short_conv_no_activation() -> None:
     assert_close("no_activation", ref, out, 1e-6)
     with pytest.raises(ValueError, match="activation"):
         short_conv_decode(x[:1], weight, pool, torch.tensor([0]), activation="gelu")
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float64], ids=["same_dtype", "wider_pool"])
+def test_short_conv_decode_slot_range_equals_indices(pool_dtype: torch.dtype) -> None:
+    """Consecutive slots given as a slice (no gather/scatter) give bit-identical outputs and windows."""
+    g = torch.Generator().manual_seed(41)
+    x, weight, windows = random_inputs(g, [1, 1, 1])
+    pool = make_pool(pool_dtype)
+    pool[4:7] = windows.to(pool_dtype)
+    by_index = pool.clone()
+    out_index = short_conv_decode(x, weight, by_index, torch.tensor([4, 5, 6]))
+    out_slice = short_conv_decode(x, weight, pool, slice(4, 7))
+    assert torch.equal(out_index, out_slice) and torch.equal(by_index, pool)
+    assert_slots_untouched(pool, used=[4, 5, 6])

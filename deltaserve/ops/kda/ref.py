@@ -53,7 +53,7 @@ def _qk_norm(q: Tensor, k: Tensor, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 def kda_decode(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, state_indices: Tensor
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, state_indices: Tensor | slice
 ) -> Tensor:
     """One KDA token per row in the recurrent form (spec §3.5): decay, delta rule, read after the update.
 
@@ -64,19 +64,27 @@ def kda_decode(
         beta: ``[N, H]``, already sigmoid-ed.
         state_pool: ``[S, H, K, V]`` fp32 state pool, per slot ``[H, K (key rows), V (value cols)]`` as transformers.
             Row ``i`` reads and **updates in place** ``state_pool[state_indices[i]]``; indices must be distinct.
-        state_indices: ``[N]`` int64 slots.
+        state_indices: ``[N]`` int64 slots, or a ``slice`` of N consecutive slots (then updated where they lie,
+            with no gather and scatter; same numbers).
 
     Returns:
         ``[N, H, V]`` output in ``q``'s dtype. Math in fp32 (fp64 if ``q`` or the pool is fp64).
     """
     cdt = _compute_dtype(q, state_pool)
     qn, kn = _qk_norm(q, k, cdt)
-    idx = state_indices.to(device=state_pool.device, dtype=torch.long)
-    S = state_pool.index_select(0, idx).to(cdt)  # [N, H, K, V], a private copy updated in place below
+    if isinstance(state_indices, slice):
+        view = state_pool[state_indices]
+        S = view if view.dtype == cdt else view.to(cdt)  # the pool's own rows, updated in place below
+    else:
+        idx = state_indices.to(device=state_pool.device, dtype=torch.long)
+        S = state_pool.index_select(0, idx).to(cdt)  # [N, H, K, V], a private copy updated in place below
     S.mul_(g.to(cdt).exp().unsqueeze(-1))
     delta = beta.to(cdt).unsqueeze(-1) * (v.to(cdt) - (kn.unsqueeze(-2) @ S).squeeze(-2))  # [N, H, V]
     S.add_(kn.unsqueeze(-1) * delta.unsqueeze(-2))
-    state_pool.index_copy_(0, idx, S.to(state_pool.dtype))
+    if not isinstance(state_indices, slice):
+        state_pool.index_copy_(0, idx, S.to(state_pool.dtype))
+    elif S is not view:
+        view.copy_(S)
     return (qn.unsqueeze(-2) @ S).squeeze(-2).to(q.dtype)
 
 

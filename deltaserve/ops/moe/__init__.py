@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deltaserve.ops.activation import silu_and_mul
-from deltaserve.ops.moe import padded, ref
+from deltaserve.ops.moe import ref, sorted
 from deltaserve.ops.moe.ref import moe_route
 
 
@@ -18,12 +18,11 @@ def moe_experts(x: Tensor, w13: Any, w2: Any, topk_weights: Tensor, topk_ids: Te
                 act: Callable[[Tensor], Tensor] = silu_and_mul, linear: Callable[[Tensor, Any], Tensor] = F.linear,
                 fp32_combine: bool = False) -> Tensor:
     """Weighted sum of the chosen gated experts (contract: `ref.moe_experts`). Dense SiLU-GLU experts take the
-    padded batched path when routing is balanced enough for it to win; other activations, weight formats (MXFP4)
-    and the fp32 combine run the reference loop."""
-    if act is silu_and_mul and linear is F.linear and not fp32_combine:
-        counts = torch.bincount(topk_ids.reshape(-1).long(), minlength=w13.shape[0]).cpu()
-        if padded.supports(counts, topk_ids.numel()):
-            return padded.moe_experts_padded(x, w13, w2, topk_weights, topk_ids, counts.to(x.device))
+    sorted grouped path at decode-sized batches; other activations, weight formats (MXFP4), the fp32 combine and
+    large batches run the reference loop."""
+    if act is silu_and_mul and linear is F.linear and not fp32_combine and sorted.supports(topk_ids.numel()):
+        counts = torch.bincount(topk_ids.reshape(-1).long(), minlength=w13.shape[0]).tolist()
+        return sorted.moe_experts_sorted(x, w13, w2, topk_weights, topk_ids, counts)
     return ref.moe_experts(x, w13, w2, topk_weights, topk_ids, act=act, linear=linear, fp32_combine=fp32_combine)
 
 

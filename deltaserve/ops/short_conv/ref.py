@@ -101,7 +101,7 @@ def short_conv_decode(
     x: Tensor,
     weight: Tensor,
     conv_state_pool: Tensor,
-    state_indices: Tensor,
+    state_indices: Tensor | slice,
     activation: str | None = "silu",
 ) -> Tensor:
     """One-token-per-sequence causal conv step against a conv-state pool.
@@ -111,19 +111,26 @@ def short_conv_decode(
         weight: ``[C, W]`` depthwise kernel.
         conv_state_pool: ``[S, C, W-1]`` window per slot, oldest first. **Updated in place**: the slot of row i
             drops its oldest entry and appends ``x[i]`` (in the pool's dtype).
-        state_indices: ``[N]`` int, distinct slots. Other slots are not touched.
+        state_indices: ``[N]`` int, distinct slots, or a ``slice`` of N consecutive slots (no gather and scatter).
+            Other slots are not touched.
         activation: ``"silu"`` (default), ``"swish"`` or ``None``.
 
     Returns:
         ``[N, C]`` in ``x.dtype``; same numerics as :func:`short_conv_prefill`.
     """
-    slots = state_indices.to(device=conv_state_pool.device, dtype=torch.long)
-    windows = conv_state_pool.index_select(0, slots)  # [N, C, W-1]
+    if isinstance(state_indices, slice):
+        windows = conv_state_pool[state_indices]  # a view: read into `taps` below before it is overwritten
+    else:
+        slots = state_indices.to(device=conv_state_pool.device, dtype=torch.long)
+        windows = conv_state_pool.index_select(0, slots)  # [N, C, W-1]
     taps = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [N, C, W]
     out = _activate(_weighted_sum(taps, weight), activation)
     if conv_state_pool.dtype == weight.dtype:
         new_windows = taps[:, :, 1:]
     else:  # keep the pool's own precision (a narrower weight dtype must not round the stored inputs)
         new_windows = torch.cat([windows, x.to(conv_state_pool.dtype)[:, :, None]], dim=-1)[:, :, 1:]
-    conv_state_pool.index_copy_(0, slots, new_windows.contiguous())
+    if isinstance(state_indices, slice):
+        conv_state_pool[state_indices] = new_windows
+    else:
+        conv_state_pool.index_copy_(0, slots, new_windows.contiguous())
     return out.to(x.dtype)
