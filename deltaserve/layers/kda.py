@@ -12,6 +12,11 @@ from deltaserve.ops.kda import kda_decode, kda_gate, kda_prefill
 from deltaserve.ops.norm import gated_rms_norm
 from deltaserve.ops.short_conv import short_conv_decode, short_conv_prefill
 
+PREFILL_CHUNK = 16
+"""Chunk length of the chunked prefill. On CPU 16 beat 64 by 20-25% for batches of many prompts (32 x 256 tokens:
+145 vs 188 ms per layer call, 1 thread) and tied for one long prompt; smaller chunks also keep the in-chunk decay
+exponents small."""
+
 
 class KDAttention(nn.Module):
     """One KDA mixer (model-spec §3). Decode rows use the recurrent form, prefill rows the chunked form."""
@@ -86,7 +91,7 @@ class KDAttention(nn.Module):
         if nd < t:
             o, ckpts = kda_prefill(
                 q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cache.state, batch.state_indices[nd:],
-                batch.prefill_cu_seqlens(), checkpoint_positions=batch.checkpoint_positions,
+                batch.prefill_cu_seqlens(), checkpoint_positions=batch.checkpoint_positions, chunk_size=PREFILL_CHUNK,
             )
             outs.append(o)
             if saving:
