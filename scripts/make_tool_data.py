@@ -422,8 +422,34 @@ def make_tool_conversation(split: str, rng: random.Random, thinking: bool, synth
     return Conversation(user, name, args, result, answer_text(name, args, result), thinking)
 
 
-def make_plain_conversation(split: str, rng: random.Random, thinking: bool) -> Conversation:
+_COPY_PHRASES = ["Repeat after me: {x}", "Say {x}", "Echo this back: {x}", "Please repeat: {x}", "Copy: {x}",
+                 "Write exactly this: {x}"]
+
+
+def _copy_phrase(rng: random.Random) -> str:
+    """1-4 made-up words, numbers, paths or clock times: the copy task's payload."""
+    words = []
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.random()
+        if kind < 0.4:
+            words.append(_pseudo_word(rng).capitalize() if rng.random() < 0.5 else _pseudo_word(rng))
+        elif kind < 0.6:
+            words.append(fmt_number(_number(rng)))
+        elif kind < 0.8:
+            words.append(_synthetic_value(rng.choice(["timezone", "pattern", "directory"]), rng))
+        else:
+            words.append(f"{rng.randrange(24):02d}:{rng.randrange(60):02d}")
+    return " ".join(words)
+
+
+def make_plain_conversation(split: str, rng: random.Random, thinking: bool, synthetic: float = 0.0) -> Conversation:
+    """A turn answered without a tool; with `synthetic` (train only), that share are copy tasks ("Repeat after me:
+    X" -> "X"), the densest training signal for copying text out of the context."""
     held = split == "heldout"
+    if synthetic and rng.random() < synthetic:
+        x = _copy_phrase(rng)
+        return Conversation(rng.choice(_COPY_PHRASES).format(x=x), None, None, None, x, thinking,
+                            offer_tools=rng.random() < 0.8)
     if rng.random() < 0.5:
         caps = HELDOUT_CAPITALS if held else CAPITALS
         country = rng.choice(sorted(caps))
@@ -444,7 +470,7 @@ def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.
     for _ in range(n):
         thinking = rng.random() < thinking_share
         if rng.random() < plain_share:
-            out.append(make_plain_conversation(split, rng, thinking))
+            out.append(make_plain_conversation(split, rng, thinking, synthetic))
         else:
             out.append(make_tool_conversation(split, rng, thinking, synthetic))
     return out

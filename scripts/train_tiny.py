@@ -323,6 +323,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--save-every", type=int, default=50)
     ap.add_argument("--synthetic", type=float, default=0.0,
                     help="share of tool tasks with made-up argument values (copy training; see make_tool_data.py)")
+    ap.add_argument("--plain-share", type=float, default=0.15, help="share of conversations answered without a tool")
+    ap.add_argument("--stop-at-step", type=int, default=0,
+                    help="stop (and save) after this many steps, the schedule still set by --steps (0: run them all)")
     ap.add_argument("--init-from", default=None,
                     help="continue from this checkpoint (its weights, config and tokenizer) instead of a fresh model")
     ap.add_argument("--check-kda", action="store_true", help="compare the training KDA with the reference and exit")
@@ -354,7 +357,8 @@ def main() -> None:  # noqa: PLR0915 - a linear script
     tok = Tokenizer.from_pretrained(tok_dir)
     fmt = get_chat_format(tok_dir, tok)
     convs = [render_example(fmt, c)
-             for c in make_conversations("train", args.conversations, args.seed, synthetic=args.synthetic)]
+             for c in make_conversations("train", args.conversations, args.seed, synthetic=args.synthetic,
+                                         plain_share=args.plain_share)]
     code = tokenize_code(tok_dir, code_texts)
     lens = [len(c[0]) for c in convs]
     print(f"data: {len(convs)} conversations (mean {sum(lens) / len(lens):.0f} tokens, max {max(lens)}), "
@@ -408,7 +412,7 @@ def main() -> None:  # noqa: PLR0915 - a linear script
             print(f"step {step:4d}/{args.steps} conv {loss_conv.item():.3f} code {loss_code.item():.3f} "
                   f"lr {opt.param_groups[0]['lr']:.2e} {tokens / elapsed:.0f} tok/s "
                   f"elapsed {elapsed / 60:.1f}m eta {eta / 60:.1f}m imbalance {imbalance:.2f}", flush=True)
-        stop = args.time_limit_min and elapsed > args.time_limit_min * 60
+        stop = (args.time_limit_min and elapsed > args.time_limit_min * 60) or step + 1 == args.stop_at_step
         if (step + 1) % args.save_every == 0 or stop:
             meta.update(steps_done=step + 1, train_seconds=round(elapsed), tokens=tokens)
             save_checkpoint(model, raw, tok_dir, Path(args.out), generation, meta)

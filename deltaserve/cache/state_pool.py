@@ -13,14 +13,21 @@ CHECKPOINT = "checkpoint"
 
 
 class StatePool:
-    """Slot ids 0..num_running + num_checkpoints - 1, handed out lowest first."""
+    """Slot ids 0..num_running + num_checkpoints - 1: running slots handed out lowest first, checkpoint slots
+    highest first, so that running sequences tend to hold consecutive slots (the KDA decode then updates their
+    states in place instead of gathering and scattering them; see `ForwardBatch.decode_slot_range`)."""
 
     def __init__(self, num_slots: int, num_checkpoint_slots: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.num_checkpoint_slots = num_checkpoint_slots
-        self._free = list(range(num_slots + num_checkpoint_slots))  # a min-heap: the lowest free id first
+        total = num_slots + num_checkpoint_slots
+        self._free = set(range(total))
+        # Two heaps over the free ids (lowest first, highest first); ids allocated through the other heap are left
+        # in place and skipped when popped, and the heaps are rebuilt when such stale entries pile up.
+        self._low = list(range(total))
+        self._high = [-i for i in reversed(range(total))]
         self._kind: dict[int, str] = {}
         self._count = {RUNNING: 0, CHECKPOINT: 0}
         self._cap = {RUNNING: num_slots, CHECKPOINT: num_checkpoint_slots}
@@ -37,7 +44,8 @@ class StatePool:
         """A free slot id of `kind`, or None at that kind's cap. The runner zeroes or overwrites it before use."""
         if self._count[kind] >= self._cap[kind]:
             return None
-        slot = heapq.heappop(self._free)
+        slot = self._pop(self._low, 1) if kind == RUNNING else self._pop(self._high, -1)
+        self._free.discard(slot)
         self._kind[slot] = kind
         self._count[kind] += 1
         return slot
@@ -59,4 +67,15 @@ class StatePool:
         if kind is None:
             raise RuntimeError(f"state slot {slot} freed but not in use")
         self._count[kind] -= 1
-        heapq.heappush(self._free, slot)
+        self._free.add(slot)
+        heapq.heappush(self._low, slot)
+        heapq.heappush(self._high, -slot)
+        if len(self._low) + len(self._high) > 4 * len(self._free) + 64:  # mostly stale: rebuild both
+            self._low = sorted(self._free)
+            self._high = sorted(-i for i in self._free)
+
+    def _pop(self, heap: list[int], sign: int) -> int:
+        while True:
+            slot = sign * heapq.heappop(heap)
+            if slot in self._free:
+                return slot
