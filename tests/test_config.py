@@ -85,3 +85,12 @@ def test_missing_field_is_named():
     del r["linear_attn_config"]["head_dim"]
     with pytest.raises(ConfigError, match="linear_attn_config.head_dim"):
         ModelConfig.from_dict(r)
+
+
+@pytest.mark.parametrize("device", ["cuda0", "cuda:x", "mps"])
+def test_engine_device_is_validated(device):
+    from deltaserve.config import EngineConfig
+
+    assert EngineConfig(model="m", device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValueError, match="device="):
+        EngineConfig(model="m", device=device)

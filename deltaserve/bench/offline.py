@@ -41,6 +41,8 @@ class OfflineBenchArgs:
     """'float32' or 'bfloat16' for both engines."""
     seed: int = 0
     """Seed of the random prompts."""
+    device: str = "cpu"
+    """'cpu', 'cuda' or 'cuda:N' for both engines."""
     baseline: bool = True
     """Also run transformers' generate on the same prompts and print the ratio."""
     max_num_batched_tokens: int = 2048
@@ -69,7 +71,7 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
     from deltaserve.entrypoints.llm import LLM
     from deltaserve.sampling_params import SamplingParams
 
-    llm = LLM(model=model, dtype=args.dtype, max_num_seqs=max(64, args.num_prompts),
+    llm = LLM(model=model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, args.num_prompts),
               max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # Warm-up (both engines alike): two other full-length prompts, a few tokens each, so first-use costs are not
@@ -123,17 +125,21 @@ def run_transformers(args: OfflineBenchArgs, model: str, prompts: list[list[int]
         import transformers
     except ImportError as exc:  # a test-only dependency
         raise SystemExit("the baseline needs transformers: pip install 'deltaserve[test]'") from exc
-    hf = transformers.KimiLinearForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype)).eval()
+    hf = transformers.KimiLinearForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype))
+    hf = hf.to(args.device).eval()
     hf.generation_config.eos_token_id = None
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=args.device)
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.output_len,
                   min_new_tokens=args.output_len, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
-        warm = torch.tensor(warmup_prompts(prompts))
+        warm = torch.tensor(warmup_prompts(prompts), device=args.device)
         hf.generate(warm, **{**kwargs, "attention_mask": torch.ones_like(warm), "max_new_tokens": 4,
                              "min_new_tokens": 4})  # warm-up, as for deltaserve
+        sync()
         start = time.perf_counter()
         out = hf.generate(ids, **kwargs)
+        sync()
         elapsed = time.perf_counter() - start
     num_out = (out.shape[1] - ids.shape[1]) * out.shape[0]
     return {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed}

@@ -93,6 +93,8 @@ class EngineConfig:
     """Cap on prompt + output tokens (default: the model's own limit)."""
     seed: int = 0
     """Seed of the generator shared by unseeded sampling requests."""
+    device: str = "cpu"
+    """Where the weights, caches and model steps live: 'cpu', 'cuda' or 'cuda:N'."""
     num_threads: int | None = None
     """torch intra-op threads of the engine (default: torch's choice, one per core). On a small shared CPU host, 1
     can be much faster than oversubscribing the cores with the API process."""
@@ -105,6 +107,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported (supported: 'bfloat16', 'float32')")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device={self.device!r} is not supported (supported: 'cpu', 'cuda', 'cuda:N')")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

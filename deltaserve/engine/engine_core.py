@@ -72,7 +72,7 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_pretrained(config.model)
-        model = load_model(config.model, dtype=getattr(torch, config.dtype))
+        model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
         model_limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         device = next(model.parameters()).device

@@ -19,7 +19,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     engine_args = {f.name: getattr(args, f.name) for cls in (CacheConfig, SchedulerConfig)
                    for f in dataclasses.fields(cls)}
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, **engine_args)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device,
+              **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     out = llm.generate(args.prompt, params)[0].outputs[0]
@@ -49,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         server = dataclasses.replace(server, api_key=envs.api_key())
     engine = EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                          device=args.device,
                           structured_output_backend=args.structured_output_backend, num_threads=args.num_threads,
                           cache=dataclass_from_args(CacheConfig, args),
                           scheduler=dataclass_from_args(SchedulerConfig, args))
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     srv.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     srv.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
+    srv.add_argument("--device", default="cpu", help="'cpu', 'cuda' or 'cuda:N' (default: cpu)")
     srv.add_argument("--num-threads", type=int, default=None,
                      help="torch threads of the engine process (default: one per core)")
     srv.add_argument("--structured-output-backend", default="llguidance", choices=["llguidance", "xgrammar"],
@@ -109,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    gen.add_argument("--device", default="cpu", help="'cpu', 'cuda' or 'cuda:N' (default: cpu)")
     engine = gen.add_argument_group("engine (help generated from the config dataclasses)")
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
     add_dataclass_args(engine, SchedulerConfig)

@@ -49,7 +49,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
-                 seed: int = 0, structured_output_backend: str = "llguidance", **engine_args: Any) -> None:
+                 seed: int = 0, structured_output_backend: str = "llguidance", device: str = "cpu",
+                 **engine_args: Any) -> None:
         if model is None:  # the embedded default model, shipped as package data
             model = str(default_model_dir())
         cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -59,7 +60,7 @@ class LLM:
             raise ValueError(f"unknown engine argument(s) {sorted(unknown)} "
                              f"(supported: {sorted(cache_fields | sched_fields)})")
         config = EngineConfig(
-            model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
+            model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
             structured_output_backend=structured_output_backend,
             cache=CacheConfig(**{k: v for k, v in engine_args.items() if k in cache_fields}),
             scheduler=SchedulerConfig(**{k: v for k, v in engine_args.items() if k in sched_fields}),
