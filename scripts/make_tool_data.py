@@ -442,14 +442,32 @@ def _copy_phrase(rng: random.Random) -> str:
     return " ".join(words)
 
 
-def make_plain_conversation(split: str, rng: random.Random, thinking: bool, synthetic: float = 0.0) -> Conversation:
+_LOOKUP_KEYS = "temperature condition time value result city unit timezone name count size id code".split()
+
+
+def _lookup_task(rng: random.Random) -> tuple[str, str]:
+    """("Data: {json}. What is the {key}?", value): finding a key's value in a JSON object, as a final answer
+    must find it in a tool result."""
+    keys = rng.sample(_LOOKUP_KEYS, rng.randint(2, 4))
+    data = {k: (_copy_phrase(rng).split()[0] if rng.random() < 0.6 else _number(rng)) for k in keys}
+    key = rng.choice(keys)
+    value = data[key] if isinstance(data[key], str) else fmt_number(data[key])
+    return f"Data: {json.dumps(data)}. What is the {key}?", value
+
+
+def make_plain_conversation(split: str, rng: random.Random, thinking: bool, synthetic: float = 0.0,
+                            short_copy: bool = False) -> Conversation:
     """A turn answered without a tool; with `synthetic` (train only), that share are copy tasks ("Repeat after me:
-    X" -> "X"), the densest training signal for copying text out of the context."""
+    X" -> "X"), the densest training signal for copying text out of the context. `short_copy`: copy tasks offer
+    no tools (so they are a few dozen tokens, many to a row) and half of them are lookups in a JSON object."""
     held = split == "heldout"
     if synthetic and rng.random() < synthetic:
         x = _copy_phrase(rng)
-        return Conversation(rng.choice(_COPY_PHRASES).format(x=x), None, None, None, x, thinking,
-                            offer_tools=rng.random() < 0.8)
+        user = rng.choice(_COPY_PHRASES).format(x=x)
+        offer = rng.random() < 0.8
+        if short_copy and rng.random() < 0.5:
+            user, x = _lookup_task(rng)
+        return Conversation(user, None, None, None, x, thinking, offer_tools=offer and not short_copy)
     if rng.random() < 0.5:
         caps = HELDOUT_CAPITALS if held else CAPITALS
         country = rng.choice(sorted(caps))
@@ -461,7 +479,8 @@ def make_plain_conversation(split: str, rng: random.Random, thinking: bool, synt
 
 
 def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.15,
-                       thinking_share: float = 0.3, synthetic: float = 0.0) -> list[Conversation]:
+                       thinking_share: float = 0.3, synthetic: float = 0.0,
+                       short_copy: bool = False) -> list[Conversation]:
     """`n` conversations of `split` ("train" or "heldout"), deterministic in `seed` (see make_tool_conversation)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}")
@@ -470,7 +489,7 @@ def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.
     for _ in range(n):
         thinking = rng.random() < thinking_share
         if rng.random() < plain_share:
-            out.append(make_plain_conversation(split, rng, thinking, synthetic))
+            out.append(make_plain_conversation(split, rng, thinking, synthetic, short_copy))
         else:
             out.append(make_tool_conversation(split, rng, thinking, synthetic))
     return out

@@ -32,20 +32,20 @@ def moe_experts_sorted(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
     order = torch.argsort(topk_ids.reshape(-1).long(), stable=True)  # pairs grouped by expert, token order inside
     token = order // top_k
     xs = x.index_select(0, token)  # [P, d]
-    gate_up = x.new_empty(xs.shape[0], w13.shape[1])
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            gate_up[start : start + count] = F.linear(xs[start : start + count], w13[expert])
-            start += count
-    hidden = silu_and_mul(gate_up)
-    y = x.new_empty(xs.shape[0], w2.shape[1])
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            y[start : start + count] = F.linear(hidden[start : start + count], w2[expert])
-            start += count
+    hidden = silu_and_mul(_grouped_linear(xs, w13, counts))
+    y = _grouped_linear(hidden, w2, counts)
     out = torch.zeros_like(x)
     # As the reference: weight each expert output (promoted to fp32), round to x's dtype, then accumulate.
     out.index_add_(0, token, (y * topk_weights.reshape(-1)[order, None]).to(x.dtype))
+    return out
+
+
+def _grouped_linear(rows: Tensor, weights: Tensor, counts: list[int]) -> Tensor:
+    """``rows`` grouped by expert (``counts[e]`` consecutive rows each) times their expert's ``weights[e]``^T."""
+    out = rows.new_empty(rows.shape[0], weights.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            out[start : start + count] = F.linear(rows[start : start + count], weights[expert])
+            start += count
     return out

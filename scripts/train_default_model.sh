@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Rebuild the embedded default model (deltaserve/default_model/) from nothing: the four training stages, in order,
+# each continuing from the previous one. Deterministic for these seeds and thread counts (about 2 h on 2 CPU cores).
+# See deltaserve/default_model/MODEL_CARD.md for what each stage is for and what came out.
+set -euo pipefail
+WORK=${WORK:-/tmp/deltaserve-default-model}
+OUT=${OUT:-deltaserve/default_model}
+train() { python scripts/train_tiny.py "$@"; }
+
+# 1. From scratch: the chat and tool-call format, tool choice, Python code (45 min, 1 thread).
+train --out "$WORK/stage1" --work "$WORK/w1" --seed 0 --steps 600 --batch 6 --save-every 50
+# 2. Made-up argument values, so that values can only be copied, not memorised (250 of 760 scheduled steps).
+train --init-from "$WORK/stage1" --out "$WORK/stage2" --work "$WORK/w2" --seed 1 --steps 760 --stop-at-step 250 \
+    --batch 6 --lr 2e-3 --warmup 20 --conversations 20000 --synthetic 0.7 --code-rows 0.1 --save-every 50
+# 3. Plus copy tasks ("Repeat after me: X") among the plain turns (400 of 800 scheduled steps).
+train --init-from "$WORK/stage2" --out "$WORK/stage3" --work "$WORK/w3" --seed 2 --steps 800 --stop-at-step 400 \
+    --batch 6 --lr 2e-3 --warmup 20 --conversations 24000 --synthetic 0.7 --plain-share 0.3 --code-rows 0.1 \
+    --save-every 50
+# 4. Dense copy training: short copy and JSON-lookup turns without tool declarations, many to a row (2 threads).
+train --init-from "$WORK/stage3" --out "$OUT" --work "$WORK/w4" --seed 3 --steps 700 --batch 6 --lr 2e-3 \
+    --warmup 20 --conversations 40000 --synthetic 0.9 --plain-share 0.8 --short-copy --code-rows 0.1 --threads 2 \
+    --save-every 50
