@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuild the embedded default model (deltaserve/default_model/) from nothing: the four training stages, in order,
-# each continuing from the previous one. Deterministic for these seeds and thread counts (about 2 h on 2 CPU cores).
+# each continuing from the previous one. Deterministic for these seeds and thread counts (about 2.7 h on a 2-core CPU).
 # See deltaserve/default_model/MODEL_CARD.md for what each stage is for and what came out.
 set -euo pipefail
 WORK=${WORK:-/tmp/deltaserve-default-model}
@@ -17,6 +17,14 @@ train --init-from "$WORK/stage2" --out "$WORK/stage3" --work "$WORK/w3" --seed 2
     --batch 6 --lr 2e-3 --warmup 20 --conversations 24000 --synthetic 0.7 --plain-share 0.3 --code-rows 0.1 \
     --save-every 50
 # 4. Dense copy training: short copy and JSON-lookup turns without tool declarations, many to a row (2 threads).
-train --init-from "$WORK/stage3" --out "$OUT" --work "$WORK/w4" --seed 3 --steps 700 --batch 6 --lr 2e-3 \
+train --init-from "$WORK/stage3" --out "$WORK/stage4" --work "$WORK/w4" --seed 3 --steps 700 --batch 6 --lr 2e-3 \
     --warmup 20 --conversations 40000 --synthetic 0.9 --plain-share 0.8 --short-copy --code-rows 0.1 --threads 2 \
+    --save-every 50
+# 5. The same mix with more tool tasks.
+train --init-from "$WORK/stage4" --out "$WORK/stage5" --work "$WORK/w5" --seed 4 --steps 550 --batch 6 --lr 1.5e-3 \
+    --warmup 20 --conversations 40000 --synthetic 0.9 --plain-share 0.7 --short-copy --code-rows 0.1 --threads 2 \
+    --save-every 50
+# 6. The same mix at a lower learning rate.
+train --init-from "$WORK/stage5" --out "$OUT" --work "$WORK/w6" --seed 5 --steps 400 --batch 6 --lr 1e-3 \
+    --warmup 20 --conversations 40000 --synthetic 0.9 --plain-share 0.7 --short-copy --code-rows 0.1 --threads 2 \
     --save-every 50
