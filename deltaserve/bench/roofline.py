@@ -163,10 +163,11 @@ def roofline_share(mb: ModelBytes, ceilings: DeviceCeilings,
     """Share of the roofline over decode steps given as (context length of each sequence, measured seconds)."""
     if not steps:
         return RooflineShare(0, 0.0, 0.0, 0.0, 0.0)
-    bounds = [max(mb.step_bytes(ctx) / ceilings.bandwidth, mb.step_flops(len(ctx)) / ceilings.flops)
-              for ctx, _ in steps]
+    nbytes = [mb.step_bytes(ctx) for ctx, _ in steps]
+    bounds = [max(b / ceilings.bandwidth, mb.step_flops(len(ctx)) / ceilings.flops)
+              for b, (ctx, _) in zip(nbytes, steps, strict=True)]
     n = len(steps)
     return RooflineShare(
         steps=n, mean_batch=sum(len(c) for c, _ in steps) / n, mean_step_ms=1e3 * sum(s for _, s in steps) / n,
-        mean_bound_ms=1e3 * sum(bounds) / n, mean_bytes=sum(mb.step_bytes(c) for c, _ in steps) / n,
+        mean_bound_ms=1e3 * sum(bounds) / n, mean_bytes=sum(nbytes) / n,
     )
