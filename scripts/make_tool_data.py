@@ -455,13 +455,13 @@ def _lookup_task(rng: random.Random) -> tuple[str, str]:
     return f"Data: {json.dumps(data)}. What is the {key}?", value
 
 
-def make_plain_conversation(split: str, rng: random.Random, thinking: bool, synthetic: float = 0.0,
+def make_plain_conversation(split: str, rng: random.Random, thinking: bool, copy_share: float = 0.0,
                             short_copy: bool = False) -> Conversation:
-    """A turn answered without a tool; with `synthetic` (train only), that share are copy tasks ("Repeat after me:
+    """A turn answered without a tool; with `copy_share` (train only), that share are copy tasks ("Repeat after me:
     X" -> "X"), the densest training signal for copying text out of the context. `short_copy`: copy tasks offer
     no tools (so they are a few dozen tokens, many to a row) and half of them are lookups in a JSON object."""
     held = split == "heldout"
-    if synthetic and rng.random() < synthetic:
+    if copy_share and rng.random() < copy_share:
         x = _copy_phrase(rng)
         user = rng.choice(_COPY_PHRASES).format(x=x)
         offer = rng.random() < 0.8
@@ -480,8 +480,10 @@ def make_plain_conversation(split: str, rng: random.Random, thinking: bool, synt
 
 def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.15,
                        thinking_share: float = 0.3, synthetic: float = 0.0,
-                       short_copy: bool = False) -> list[Conversation]:
-    """`n` conversations of `split` ("train" or "heldout"), deterministic in `seed` (see make_tool_conversation)."""
+                       short_copy: bool = False, copy_share: float | None = None) -> list[Conversation]:
+    """`n` conversations of `split` ("train" or "heldout"), deterministic in `seed` (see make_tool_conversation).
+    `copy_share`: the share of plain turns that are copy / lookup tasks (default: `synthetic`)."""
+    copy = synthetic if copy_share is None else copy_share
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}")
     rng = random.Random(f"{split}-{seed}")
@@ -489,7 +491,7 @@ def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.
     for _ in range(n):
         thinking = rng.random() < thinking_share
         if rng.random() < plain_share:
-            out.append(make_plain_conversation(split, rng, thinking, synthetic, short_copy))
+            out.append(make_plain_conversation(split, rng, thinking, copy, short_copy))
         else:
             out.append(make_tool_conversation(split, rng, thinking, synthetic))
     return out

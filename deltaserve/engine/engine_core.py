@@ -24,6 +24,7 @@ from deltaserve.scheduler.output import SchedulerOutput
 from deltaserve.scheduler.scheduler import Scheduler, StepEvent
 from deltaserve.structured.manager import StructuredOutputManager
 from deltaserve.text.tokenizer import Tokenizer
+from deltaserve.utils.malloc import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class EngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu" and not keep_freed_memory():  # steps reuse their temporaries (utils/malloc.py)
+            logger.info("not glibc: malloc left as it is")
         self.model_config = ModelConfig.from_pretrained(config.model)
         model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
         model_limit = self.model_config.max_model_len

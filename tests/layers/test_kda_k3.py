@@ -45,7 +45,10 @@ def cache(layer: KDAttention, state_dtype: torch.dtype) -> KDALayerCache:
                          torch.zeros(2, 3 * p, CFG.conv_kernel_size - 1, dtype=layer.q_conv1d.dtype))
 
 
-@pytest.mark.parametrize("dtype, fp32_params, tol", [(torch.float64, False, 1e-10), (torch.float32, True, 1e-5)],
+# fp64 is not held to fp64 rounding: beta is rounded to fp32 (as transformers does), so a last-bit difference between
+# the 100-row and the 1-row projection GEMMs can move it by one fp32 ulp (seen: 1.6e-8 relative on an AVX-512 CPU).
+# The ops' own fp64 chunked-vs-recurrent parity is tested at 1e-12 in tests/ops/test_kda.py.
+@pytest.mark.parametrize("dtype, fp32_params, tol", [(torch.float64, False, 1e-6), (torch.float32, True, 1e-5)],
                          ids=["fp64", "fp32-k3-params"])
 def test_k3_kda_chunked_equals_recurrent(dtype: torch.dtype, fp32_params: bool, tol: float) -> None:
     """100 tokens in one chunked prefill (chunks of 64) give the outputs and final state of 100 recurrent decode

@@ -106,7 +106,9 @@ def test_short_conv_prefill_packed_equals_separate() -> None:
         alone = make_pool()
         alone[1] = windows[i]
         ref = short_conv_prefill(x[cu[i] : cu[i + 1]], weight, alone, torch.tensor([1]), cu_of([lengths[i]]))
-        assert_close(f"packed_seq{i}", ref, out[cu[i] : cu[i + 1]], 0.0)
+        # Not bit-exact: PyTorch's vectorised silu and its scalar tail loop may differ in the last bit, and which
+        # elements fall in the tail depends on the tensor size (seen: 1.1e-8 relative on an AVX-512 CPU).
+        assert_close(f"packed_seq{i}", ref, out[cu[i] : cu[i + 1]], 1e-7)
         assert_close(f"packed_seq{i}", conv_oracle(windows[i], x[cu[i] : cu[i + 1]], weight), ref, 1e-6)
         assert torch.equal(pool[slot], alone[1]), f"window of sequence {i}"
     assert_slots_untouched(pool, used=slots)

@@ -18,15 +18,6 @@ def _activate(out: Tensor, activation: str | None) -> Tensor:
     raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
 
 
-def _weighted_sum(taps: Tensor, weight: Tensor) -> Tensor:
-    """``taps [..., C, W]`` (already in ``weight.dtype``) times ``weight [C, W]`` summed over W.
-
-    Products are accumulated in at least fp32 (as conv kernels do) and rounded once to ``weight.dtype``.
-    """
-    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-    return (taps.to(acc_dtype) * weight.to(acc_dtype)).sum(-1).to(weight.dtype)
-
-
 def short_conv_prefill(
     x: Tensor,
     weight: Tensor,
@@ -119,18 +110,24 @@ def short_conv_decode(
         ``[N, C]`` in ``x.dtype``; same numerics as :func:`short_conv_prefill`.
     """
     if isinstance(state_indices, slice):
-        windows = conv_state_pool[state_indices]  # a view: read into `taps` below before it is overwritten
+        windows = conv_state_pool[state_indices]  # a view: read below before it is overwritten
     else:
         slots = state_indices.to(device=conv_state_pool.device, dtype=torch.long)
         windows = conv_state_pool.index_select(0, slots)  # [N, C, W-1]
-    taps = torch.cat([windows.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=-1)  # [N, C, W]
-    out = _activate(_weighted_sum(taps, weight), activation)
-    if conv_state_pool.dtype == weight.dtype:
-        new_windows = taps[:, :, 1:]
-    else:  # keep the pool's own precision (a narrower weight dtype must not round the stored inputs)
-        new_windows = torch.cat([windows, x.to(conv_state_pool.dtype)[:, :, None]], dim=-1)[:, :, 1:]
+    # One multiply-add per tap, oldest first, as in the prefill: the same sums (bit for bit) as reducing a stacked
+    # [N, C, W] tensor over W, without building it; a reduction over a last dim of 4 is slow on CPU.
+    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+    w = weight.to(acc_dtype)
+    width = weight.shape[-1]
+    taps = [windows[..., j] for j in range(width - 1)] + [x]
+    out = taps[0].to(weight.dtype).to(acc_dtype) * w[:, 0]
+    for j in range(1, width):
+        out.add_(taps[j].to(weight.dtype).to(acc_dtype) * w[:, j])
+    out = _activate(out.to(weight.dtype), activation)
+    # The pool keeps its own precision (a narrower weight dtype must not round the stored inputs).
+    new_windows = torch.cat([windows, x.to(conv_state_pool.dtype)[:, :, None]], dim=-1)[:, :, 1:]
     if isinstance(state_indices, slice):
         conv_state_pool[state_indices] = new_windows
     else:
-        conv_state_pool.index_copy_(0, slots, new_windows.contiguous())
+        conv_state_pool.index_copy_(0, slots, new_windows)
     return out.to(x.dtype)
