@@ -81,7 +81,7 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
     decode_steps: list[tuple[list[int], float]] = []  # (context of each sequence, seconds) of pure decode steps
 
     def observe(out: SchedulerOutput, seconds: float) -> None:
-        if out.chunks and all(len(c.new_token_ids) == 1 and c.num_computed_tokens for c in out.chunks):
+        if out.chunks and all(c.is_decode for c in out.chunks):
             decode_steps.append(([c.num_computed_tokens + 1 for c in out.chunks], seconds))
 
     llm.engine.step_observer = observe

@@ -98,7 +98,7 @@ class ModelRunner:
 
     def build_batch(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Flatten `chunks` (decodes first). Returns input ids [T], the batch, and the order used."""
-        is_decode = [len(c.new_token_ids) == 1 and c.num_computed_tokens > 0 and not c.checkpoints for c in chunks]
+        is_decode = [c.is_decode for c in chunks]
         order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
         ordered = [chunks[i] for i in order]
         lens = torch.tensor([len(c.new_token_ids) for c in ordered], dtype=torch.int64)

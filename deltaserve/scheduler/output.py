@@ -35,6 +35,11 @@ class ScheduledChunk:
     checkpoints: tuple[tuple[int, int], ...] = ()
     """(position within this chunk, checkpoint slot): save the KDA state after that many of its tokens."""
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token after cached ones, with no checkpoint to save: the runner's recurrent decode row."""
+        return len(self.new_token_ids) == 1 and self.num_computed_tokens > 0 and not self.checkpoints
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerOutput:

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from deltaserve.request import FinishReason, RequestStatus
+from deltaserve.scheduler.output import ScheduledChunk
 from tests.scheduler.fake import FakeRunner, expected_output, make_request, make_scheduler, run_to_completion
 
 
@@ -153,3 +154,15 @@ def test_watchdog_logs_when_nothing_progresses(caplog):
         now[0] = 10.0
         sched.schedule()
     assert sched.stalled and "no request progressed" in caplog.text
+
+
+def test_scheduled_chunk_is_decode():
+    """A decode row: one new token after cached ones and no checkpoint to save; anything else is prefill."""
+    def chunk(new: int, computed: int, checkpoints=()) -> ScheduledChunk:
+        return ScheduledChunk(request_id="r", new_token_ids=[5] * new, num_computed_tokens=computed, state_slot=0,
+                              block_ids=[0], checkpoints=checkpoints)
+
+    assert chunk(1, 7).is_decode
+    assert not chunk(1, 0).is_decode  # a one-token prompt
+    assert not chunk(2, 7).is_decode
+    assert not chunk(1, 7, ((1, 3),)).is_decode
