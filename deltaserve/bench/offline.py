@@ -101,15 +101,11 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
 
 def decode_roofline(args: OfflineBenchArgs, model, decode_steps: list[tuple[list[int], float]]) -> dict:
     """The §4 roofline share of the measured pure decode steps, with the ceilings and bytes it used."""
-    from dataclasses import replace
-
     from deltaserve.bench.roofline import measure_ceilings, model_bytes, roofline_share
 
     param = next(model.parameters())
-    ceilings = measure_ceilings(param.device, param.dtype)
-    if args.peak_bandwidth_gbs is not None:
-        ceilings = replace(ceilings, bandwidth=args.peak_bandwidth_gbs * 1e9,
-                           source=f"bandwidth from --peak-bandwidth-gbs; FLOP/s {ceilings.source}")
+    given = args.peak_bandwidth_gbs * 1e9 if args.peak_bandwidth_gbs is not None else None
+    ceilings = measure_ceilings(param.device, param.dtype, bandwidth=given)
     mb = model_bytes(model)
     share = roofline_share(mb, ceilings, decode_steps)
     return {"share": share.share, "decode_steps": share.steps, "mean_batch": share.mean_batch,

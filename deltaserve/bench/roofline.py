@@ -110,23 +110,29 @@ class DeviceCeilings:
     source: str
 
 
-def measure_ceilings(device: torch.device, dtype: torch.dtype, *, nbytes: int = 1 << 30) -> DeviceCeilings:
+def measure_ceilings(device: torch.device, dtype: torch.dtype, *, nbytes: int = 1 << 30,
+                     bandwidth: float | None = None) -> DeviceCeilings:
     """Read-only bandwidth (a sum over a `nbytes` tensor) and GEMM rate (a square matmul), best of 5 each.
 
-    A known GPU (KNOWN_CEILINGS) uses the measured figures of the roofline document instead.
+    A known GPU (KNOWN_CEILINGS) uses the measured figures of the roofline document instead. `bandwidth` (bytes/s),
+    when given, is used as it is and only the GEMM rate is measured.
     """
-    if device.type == "cuda":
+    if device.type == "cuda" and bandwidth is None:
         name = torch.cuda.get_device_name(device)
         for key, (bw, fl) in KNOWN_CEILINGS.items():
             if key in name:
                 return DeviceCeilings(bw, fl, f"{key} figures of metrics-and-roofline.md §3")
-    # The sum reads the tensor once; one pass over a tensor far larger than the caches measures memory, not cache.
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    bandwidth = nbytes / _best_seconds(device, x.sum, reps=5)
+    if bandwidth is None:
+        # The sum reads the tensor once; one pass over a tensor far larger than the caches measures memory.
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        bandwidth = nbytes / _best_seconds(device, x.sum, reps=5)
+        source = f"measured on {device.type} (sum of {nbytes >> 20} MiB, "
+    else:
+        source = f"bandwidth given; measured on {device.type} ("
     n = 2048 if device.type == "cpu" else 8192
     a = torch.randn(n, n, dtype=dtype, device=device)
     flops = 2 * n**3 / _best_seconds(device, lambda: a @ a, reps=3)
-    return DeviceCeilings(bandwidth, flops, f"measured on {device.type} (sum of {nbytes >> 20} MiB, {n}^3 matmul)")
+    return DeviceCeilings(bandwidth, flops, f"{source}{n}^3 matmul)")
 
 
 def _best_seconds(device: torch.device, fn, *, reps: int) -> float:

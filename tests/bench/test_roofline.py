@@ -66,3 +66,9 @@ def test_step_bytes_follows_the_roofline_formula():
 def test_measure_ceilings_on_cpu():
     c = measure_ceilings(torch.device("cpu"), torch.float32, nbytes=64 << 20)
     assert math.isfinite(c.bandwidth) and c.bandwidth > 1e8 and c.flops > 1e8 and "cpu" in c.source
+
+
+def test_given_bandwidth_is_used_as_is():
+    """--peak-bandwidth-gbs: no bandwidth probe (its 1 GiB tensor would be allocated for nothing), only the matmul."""
+    c = measure_ceilings(torch.device("cpu"), torch.float32, nbytes=1 << 60, bandwidth=5e9)  # a probe would fail
+    assert c.bandwidth == 5e9 and c.flops > 1e8 and "bandwidth given" in c.source
