@@ -455,8 +455,18 @@ def _lookup_task(rng: random.Random) -> tuple[str, str]:
     return f"Data: {json.dumps(data)}. What is the {key}?", value
 
 
+def _list_task(rng: random.Random) -> tuple[str, str]:
+    """("Data: {"files": [...]}. List the files.", the file-search answer listing them all): copying a whole list,
+    as a file-search answer must."""
+    args = {"pattern": _synthetic_value("pattern", rng)}
+    if rng.random() < 0.7:
+        args["directory"] = _synthetic_value("directory", rng)
+    result = run_tool("search_files", args)
+    return f"Data: {json.dumps(result)}. List the files.", answer_text("search_files", args, result)
+
+
 def make_plain_conversation(split: str, rng: random.Random, thinking: bool, copy_share: float = 0.0,
-                            short_copy: bool = False) -> Conversation:
+                            short_copy: bool = False, list_share: float = 0.0) -> Conversation:
     """A turn answered without a tool; with `copy_share` (train only), that share are copy tasks ("Repeat after me:
     X" -> "X"), the densest training signal for copying text out of the context. `short_copy`: copy tasks offer
     no tools (so they are a few dozen tokens, many to a row) and half of them are lookups in a JSON object."""
@@ -467,6 +477,8 @@ def make_plain_conversation(split: str, rng: random.Random, thinking: bool, copy
         offer = rng.random() < 0.8
         if short_copy and rng.random() < 0.5:
             user, x = _lookup_task(rng)
+            if list_share and rng.random() < list_share:
+                user, x = _list_task(rng)
         return Conversation(user, None, None, None, x, thinking, offer_tools=offer and not short_copy)
     if rng.random() < 0.5:
         caps = HELDOUT_CAPITALS if held else CAPITALS
@@ -480,9 +492,11 @@ def make_plain_conversation(split: str, rng: random.Random, thinking: bool, copy
 
 def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.15,
                        thinking_share: float = 0.3, synthetic: float = 0.0,
-                       short_copy: bool = False, copy_share: float | None = None) -> list[Conversation]:
+                       short_copy: bool = False, copy_share: float | None = None,
+                       list_share: float = 0.0) -> list[Conversation]:
     """`n` conversations of `split` ("train" or "heldout"), deterministic in `seed` (see make_tool_conversation).
-    `copy_share`: the share of plain turns that are copy / lookup tasks (default: `synthetic`)."""
+    `copy_share`: the share of plain turns that are copy / lookup tasks (default: `synthetic`); `list_share`: the
+    share of lookups (with `short_copy`) that copy a whole file list instead."""
     copy = synthetic if copy_share is None else copy_share
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}")
@@ -491,7 +505,7 @@ def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.
     for _ in range(n):
         thinking = rng.random() < thinking_share
         if rng.random() < plain_share:
-            out.append(make_plain_conversation(split, rng, thinking, copy, short_copy))
+            out.append(make_plain_conversation(split, rng, thinking, copy, short_copy, list_share))
         else:
             out.append(make_tool_conversation(split, rng, thinking, synthetic))
     return out
