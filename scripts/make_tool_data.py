@@ -476,9 +476,8 @@ def make_plain_conversation(split: str, rng: random.Random, thinking: bool, copy
         user = rng.choice(_COPY_PHRASES).format(x=x)
         offer = rng.random() < 0.8
         if short_copy and rng.random() < 0.5:
-            user, x = _lookup_task(rng)
-            if list_share and rng.random() < list_share:
-                user, x = _list_task(rng)
+            # list_share 0 draws nothing here, so earlier stages' data stay as they were.
+            user, x = _list_task(rng) if list_share and rng.random() < list_share else _lookup_task(rng)
         return Conversation(user, None, None, None, x, thinking, offer_tools=offer and not short_copy)
     if rng.random() < 0.5:
         caps = HELDOUT_CAPITALS if held else CAPITALS

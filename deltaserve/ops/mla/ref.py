@@ -32,7 +32,7 @@ def _gather_context(kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor
     num_blocks = -(-num_positions // block_size)
     table = block_tables.to(device=kv_cache.device, dtype=torch.long)[:, :num_blocks].reshape(-1)
     # index_select + index_fill_: several times faster on CPU than advanced indexing and a broadcast masked_fill.
-    # On the 2-D view [num_blocks, block_size * width]: about twice as fast on CPU as on the 3-D cache.
+    # On the 2-D view [num_blocks, block_size * width]: 0.54 vs 1.23 ms for 608 blocks on an idle CPU (one run).
     rows = kv_cache.view(kv_cache.shape[0], -1).index_select(0, table).view(num_seqs, num_blocks * block_size, width)
     pos = torch.arange(num_blocks * block_size, device=kv_cache.device)
     invalid = (pos[None, :] >= context_lens[:, None]).reshape(-1).nonzero().squeeze(1)  # host sync
