@@ -161,6 +161,17 @@ PHRASES: dict[str, tuple[list[str], list[str]]] = {
     ),
 }  # fmt: skip
 
+# Tool-neutral phrasings (train split only, `neutral` share): the same words for every tool, so that the tool can
+# only be told from the value (an expression, a city, a "Region/City" zone, a glob...), which is what carries over to
+# held-out phrasings whose words the tool's own train phrasings never use ("hour", "warm", "locate").
+NEUTRAL_PHRASES = ["Can you check {x} for me?", "Look up {x}.", "I need some help with {x}.", "{x}, please.",
+                   "Quick one: {x}?", "Do you have anything on {x}?", "Any info about {x}?", "Tell me about {x}."]
+_NEUTRAL_VALUE = {
+    "calculator": "{expr}", "get_weather": "{city}", "get_weather_f": "{city} in fahrenheit",
+    "convert_units": "{value} {from_unit} in {to_unit}", "search_files": "{pattern} in {directory}",
+    "search_files_nodir": "{pattern}", "get_time": "{timezone}",
+}  # fmt: skip
+
 # Plain question/answer turns, answered without a tool: (question, answer).
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Egypt": "Cairo",
@@ -401,20 +412,26 @@ _KIND_WEIGHTS = {
 }  # fmt: skip
 
 
-def make_tool_conversation(split: str, rng: random.Random, thinking: bool, synthetic: float = 0.0) -> Conversation:
+def make_tool_conversation(split: str, rng: random.Random, thinking: bool, synthetic: float = 0.0,
+                           neutral: float = 0.0) -> Conversation:
     """One tool task of a random kind, phrased with a template of `split`.
 
     `synthetic` (train split only) is the share of made-up argument values (and of user turns with a random
     greeting or thanks around the template): with values that cannot be memorised the model has to learn to copy
-    them from the question, which is what held-out values need.
+    them from the question, which is what held-out values need. `neutral` (train only): the share phrased with a
+    tool-neutral template (`NEUTRAL_PHRASES`).
     """
-    if synthetic and split != "train":
-        raise ValueError("synthetic values are for the train split only")
+    if (synthetic or neutral) and split != "train":
+        raise ValueError("synthetic values and neutral phrasings are for the train split only")
     kind = rng.choices(list(_KIND_WEIGHTS), weights=list(_KIND_WEIGHTS.values()))[0]
     name, args, fields = _tool_task(kind, split, rng, synthetic)
-    template = rng.choice(PHRASES[kind][1 if split == "heldout" else 0])
+    # neutral 0 draws nothing here, so earlier stages' data stay as they were.
+    if neutral and rng.random() < neutral:
+        template = rng.choice(NEUTRAL_PHRASES).format(x=_NEUTRAL_VALUE[kind])
+    else:
+        template = rng.choice(PHRASES[kind][1 if split == "heldout" else 0])
     user = template.format(**fields)
-    if rng.random() < 0.15 and split == "train":
+    if rng.random() < 0.15 and split == "train" and not template.startswith("{"):  # a value keeps its case
         user = user[0].lower() + user[1:]
     if synthetic and rng.random() < synthetic / 2:
         user = rng.choice(_PREFIXES) + user if rng.random() < 0.5 else user + rng.choice(_SUFFIXES)
@@ -492,10 +509,11 @@ def make_plain_conversation(split: str, rng: random.Random, thinking: bool, copy
 def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.15,
                        thinking_share: float = 0.3, synthetic: float = 0.0,
                        short_copy: bool = False, copy_share: float | None = None,
-                       list_share: float = 0.0) -> list[Conversation]:
+                       list_share: float = 0.0, neutral_share: float = 0.0) -> list[Conversation]:
     """`n` conversations of `split` ("train" or "heldout"), deterministic in `seed` (see make_tool_conversation).
     `copy_share`: the share of plain turns that are copy / lookup tasks (default: `synthetic`); `list_share`: the
-    share of lookups (with `short_copy`) that copy a whole file list instead."""
+    share of lookups (with `short_copy`) that copy a whole file list instead; `neutral_share`: the share of tool
+    tasks phrased with a tool-neutral template."""
     copy = synthetic if copy_share is None else copy_share
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}")
@@ -506,7 +524,7 @@ def make_conversations(split: str, n: int, seed: int, *, plain_share: float = 0.
         if rng.random() < plain_share:
             out.append(make_plain_conversation(split, rng, thinking, copy, short_copy, list_share))
         else:
-            out.append(make_tool_conversation(split, rng, thinking, synthetic))
+            out.append(make_tool_conversation(split, rng, thinking, synthetic, neutral_share))
     return out
 
 

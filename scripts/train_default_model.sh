@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Rebuild the embedded default model (deltaserve/default_model/) from nothing: the four training stages, in order,
-# each continuing from the previous one. Deterministic for these seeds and thread counts (about 2.7 h on a 2-core CPU).
+# Rebuild the embedded default model (deltaserve/default_model/) from nothing: the seven training stages, in order,
+# each continuing from the previous one. Deterministic for these seeds and thread counts (about 2.8 h on a 2-core CPU).
 # See deltaserve/default_model/MODEL_CARD.md for what each stage is for and what came out.
 set -euo pipefail
 WORK=${WORK:-/tmp/deltaserve-default-model}
@@ -25,6 +25,10 @@ train --init-from "$WORK/stage4" --out "$WORK/stage5" --work "$WORK/w5" --seed 4
     --warmup 20 --conversations 40000 --synthetic 0.9 --plain-share 0.7 --short-copy --code-rows 0.1 --threads 2 \
     --save-every 50
 # 6. The same mix at a lower learning rate.
-train --init-from "$WORK/stage5" --out "$OUT" --work "$WORK/w6" --seed 5 --steps 400 --batch 6 --lr 1e-3 \
+train --init-from "$WORK/stage5" --out "$WORK/stage6" --work "$WORK/w6" --seed 5 --steps 400 --batch 6 --lr 1e-3 \
     --warmup 20 --conversations 40000 --synthetic 0.9 --plain-share 0.7 --short-copy --code-rows 0.1 --threads 2 \
     --save-every 50
+# 7. Half of the JSON lookups become whole file lists to copy, as a file-search answer must.
+train --init-from "$WORK/stage6" --out "$OUT" --work "$WORK/w7" --seed 7 --steps 400 --batch 6 --lr 1e-3 \
+    --warmup 20 --conversations 40000 --synthetic 0.9 --plain-share 0.7 --short-copy --list-share 0.5 --code-rows 0.1 \
+    --threads 2 --save-every 50

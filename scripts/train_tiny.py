@@ -330,6 +330,8 @@ def parse_args() -> argparse.Namespace:
                     help="share of plain turns that are copy / lookup tasks (default: the --synthetic share)")
     ap.add_argument("--list-share", type=float, default=0.0,
                     help="with --short-copy: share of lookups that copy a whole file list (as file-search answers)")
+    ap.add_argument("--neutral-share", type=float, default=0.0,
+                    help="share of tool tasks phrased with a tool-neutral template (the value alone names the tool)")
     ap.add_argument("--stop-at-step", type=int, default=0,
                     help="stop (and save) after this many steps, the schedule still set by --steps (0: run them all)")
     ap.add_argument("--init-from", default=None,
@@ -365,7 +367,8 @@ def main() -> None:  # noqa: PLR0915 - a linear script
     convs = [render_example(fmt, c)
              for c in make_conversations("train", args.conversations, args.seed, synthetic=args.synthetic,
                                          plain_share=args.plain_share, short_copy=args.short_copy,
-                                         copy_share=args.copy_share, list_share=args.list_share)]
+                                         copy_share=args.copy_share, list_share=args.list_share,
+                                         neutral_share=args.neutral_share)]
     code = tokenize_code(tok_dir, code_texts)
     lens = [len(c[0]) for c in convs]
     print(f"data: {len(convs)} conversations (mean {sum(lens) / len(lens):.0f} tokens, max {max(lens)}), "
