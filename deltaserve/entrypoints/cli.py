@@ -78,7 +78,7 @@ def _quantize(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from deltaserve.bench import followup, http_overhead, offline, serve, sweep, trace_replay
     from deltaserve.config import CacheConfig, SchedulerConfig, ServerConfig
-    from deltaserve.models.tiny import TinySpec
+    from deltaserve.models.tiny_spec import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
 
     parser = argparse.ArgumentParser(prog="deltaserve", description=__doc__.splitlines()[0])

@@ -13,13 +13,11 @@ from deltaserve.structured.backend import (
     check_backend,
     make_backend,
 )
-from deltaserve.structured.manager import StructuredOutputManager
 
 __all__ = [
     "BACKENDS",
     "Grammar",
     "StructuredOutputBackend",
-    "StructuredOutputManager",
     "allocate_bitmask",
     "allowed_token_ids",
     "check_backend",

@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
-from typing import ClassVar
-
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from deltaserve.sampling_params import StructuredOutput
 from deltaserve.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the API process validates grammars without loading torch
+    import torch
 
 BACKENDS: tuple[str, ...] = ("llguidance", "xgrammar")
 
@@ -83,17 +84,23 @@ def bitmask_width(vocab_size: int) -> int:
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """A CPU ``int32 [num_rows, ceil(vocab_size / 32)]`` bitmask with every token allowed."""
+    import torch
+
     return torch.full((num_rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
 
 
 def allowed_token_ids(bitmask_row: torch.Tensor, vocab_size: int) -> list[int]:
     """The token ids whose bit is set in one bitmask row (for tests and debugging)."""
+    import torch
+
     bits = (bitmask_row.to(torch.int64)[:, None] >> torch.arange(32)) & 1  # [W, 32]
     return torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist()
 
 
 def set_allowed(bitmask: torch.Tensor, row: int, token_ids: Collection[int]) -> None:
     """Make ``bitmask[row]`` allow exactly `token_ids`."""
+    import torch
+
     words = [0] * bitmask.shape[1]
     for t in token_ids:
         words[t // 32] |= 1 << (t % 32)

@@ -16,13 +16,16 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import llguidance
-import torch
 
 from deltaserve.sampling_params import StructuredOutput
 from deltaserve.structured.backend import Grammar, StructuredOutputBackend, vocab_bytes
 from deltaserve.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the API process validates grammars without loading torch
+    import torch
 
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """Fixed-whitespace JSON with Python's `json.dumps` separators (", " and ": ", no other whitespace): a weak model
@@ -139,6 +142,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
 
 def _check_bitmask(bitmask: torch.Tensor) -> None:
     """llguidance writes through a raw pointer: the target must be a contiguous CPU int32 [R, W] tensor."""
+    import torch
+
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.ndim != 2 or not bitmask.is_contiguous():
         raise ValueError(f"the bitmask must be a contiguous CPU int32 [R, W] tensor, got {bitmask.dtype} "
                          f"{tuple(bitmask.shape)} on {bitmask.device}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -120,6 +121,19 @@ def test_chat_json_schema_validates(client):
         else:
             text = client.chat.completions.create(**kwargs).choices[0].message.content
         jsonschema.validate(json.loads(text), WEATHER_SCHEMA)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
+def test_api_process_does_not_load_torch(client, server):
+    """The API process renders, tokenises, validates grammars and parses; only the engine process needs torch (a few
+    hundred MB and a second or two of start-up less for the process that answers HTTP)."""
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Plan"}], max_tokens=8,
+                                   tools=TOOLS, response_format={"type": "json_schema", "json_schema": {
+                                       "name": "plan", "schema": WEATHER_SCHEMA}})
+    maps = Path(f"/proc/{server.process.pid}/maps").read_text()
+    assert "libtorch" not in maps
+    children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+    assert any("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in children)  # the engine process
 
 
 def test_chat_json_object(client):

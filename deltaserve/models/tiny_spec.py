@@ -1,0 +1,47 @@
+"""The sizes of a tiny random checkpoint (`TinySpec`), apart from the writer so that the command line can build its
+arguments without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TinySpec:
+    """Sizes of a tiny checkpoint (defaults: model-spec §13.1)."""
+
+    layers: int = 8
+    """Decoder layers; every 4th (1-based) and the last are MLA, the rest KDA."""
+    hidden: int = 256
+    vocab: int = 1024
+    intermediate: int = 512
+    moe_intermediate: int = 128
+    experts: int = 8
+    top_k: int = 2
+    shared_experts: int = 1
+    num_expert_group: int = 2
+    topk_group: int = 1
+    kda_heads: int = 4
+    kda_head_dim: int = 32
+    mla_heads: int = 4
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    first_k_dense: int = 1
+    routed_scaling_factor: float = 2.446
+    seed: int = 0
+    dense_name: str = "mlp"
+    """Name of the dense FFN tensors: "mlp" (real checkpoints) or "block_sparse_moe" (transformers' save)."""
+    shard_bytes: int = 0
+    """Split the weights into shards of about this size with an index file; 0 writes one file."""
+    arch: str = "kimi_linear"
+    """"kimi_linear", or "kimi_k3": nested text_config, bounded KDA gate, gated MLA, SiTU LatentMoE with MXFP4
+    experts, Block AttnRes, XTML special tokens (the other sizes apply; K3 itself has q-LoRA and 2 shared experts)."""
+    latent_size: int = 128
+    """kimi_k3: LatentMoE latent width (routed_expert_hidden_size), a multiple of 32."""
+    attn_res_block_size: int | None = 3
+    """kimi_k3: decoder layers per Block AttnRes block; none for plain residuals."""
+    expert_format: str = "compressed-tensors"
+    """kimi_k3: routed experts in MXFP4, "compressed-tensors" (K3's layout) or "gpt-oss", or "dense"."""
