@@ -1,15 +1,9 @@
 """Frozen configuration dataclasses: the model (from a checkpoint's config.json) and the engine's arguments."""
 
 from deltaserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
-from deltaserve.config.model import (
-    ActivationConfig,
-    ConfigError,
-    KDAConfig,
-    MLAConfig,
-    ModelConfig,
-    MoEConfig,
-    QuantizationConfig,
-)
+from deltaserve.config.fields import ConfigError
+from deltaserve.config.model import ActivationConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+from deltaserve.config.quantization import QuantizationConfig
 from deltaserve.config.server import ServerConfig
 
 __all__ = [

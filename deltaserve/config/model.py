@@ -1,7 +1,8 @@
 """The model config: `ModelConfig.from_pretrained` is where a checkpoint's config.json stops.
 
-Every field is documented once, here. Layers receive the sub-config they need (`KDAConfig`, `MLAConfig`,
-`MoEConfig`), never the raw dict.
+Every field is documented once, here (K3's expert quantisation in `quantization.py`; typed field access with errors
+that name the field in `fields.py`). Layers receive the sub-config they need (`KDAConfig`, `MLAConfig`, `MoEConfig`),
+never the raw dict.
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deltaserve.config.fields import ConfigError, ConfigFields
+from deltaserve.config.quantization import QuantizationConfig, parse_quantization
+
 K3_ARCHITECTURE = "KimiK3ForConditionalGeneration"
 # Top-level `architectures[0]` -> the top-level `model_type` it must come with. K3 nests its text model under
 # `text_config`, whose own model_type is "kimi_linear": dispatch never looks inside (model-spec §1.1).
 _MODEL_TYPES = {"KimiLinearForCausalLM": "kimi_linear", K3_ARCHITECTURE: "kimi_k3"}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPES)
 SUPPORTED_MODEL_TYPES = tuple(_MODEL_TYPES.values())
-MXFP4_FORMAT = "mxfp4-pack-quantized"
-
-
-class ConfigError(ValueError):
-    """A checkpoint config field is missing, unsupported or inconsistent; the message names the field."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,19 +115,6 @@ class ActivationConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class QuantizationConfig:
-    """How a K3 checkpoint stores its routed-expert weights (`text_config.quantization_config`): MXFP4 (E2M1 values,
-    one E8M0 scale per 32 inputs). Every other tensor is unquantised, whatever `ignore` lists (model-spec §9.2)."""
-
-    layout: str
-    """"compressed-tensors" (`mxfp4-pack-quantized`: per expert `w{1,2,3}.weight_packed` / `weight_scale`) or
-    "gpt-oss" (`quant_method: mxfp4`: stacked `experts.{gate_up,down}_proj_blocks` / `_scales`, gate and up rows
-    interleaved)."""
-    ignore: tuple[str, ...] = ()
-    """The checkpoint's list of unquantised modules (informational)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     """The text model of a Kimi Linear or Kimi K3 checkpoint, read from its config.json with Moonshot field names."""
 
@@ -193,10 +179,10 @@ class ModelConfig:
         architecture = _check_architecture(raw)
         is_k3 = architecture == K3_ARCHITECTURE
         text = _text_config(raw) if is_k3 else raw
-        f = _Fields(text, prefix="text_config." if is_k3 else "")
+        f = ConfigFields(text, prefix="text_config." if is_k3 else "")
         num_layers = f.as_int("num_hidden_layers")
         linear = f.as_dict("linear_attn_config")
-        lf = _Fields(linear, prefix=f"{f.prefix}linear_attn_config.")
+        lf = ConfigFields(linear, prefix=f"{f.prefix}linear_attn_config.")
         layer_kinds = _layer_kinds(lf, num_layers, text.get("layer_types"))
         num_heads = f.as_int("num_attention_heads")
         kv_heads = text.get("num_key_value_heads")
@@ -245,64 +231,8 @@ class ModelConfig:
             torch_dtype=f.as_str("torch_dtype", "dtype", default=raw.get("torch_dtype", "bfloat16")),
             activation=_activation(f, is_k3),
             attn_res_block_size=f.as_int("attn_res_block_size", default=None) if is_k3 else None,
-            quantization=_quantization(text, raw, f.prefix, is_k3),
+            quantization=parse_quantization(text, raw, f.prefix, is_k3),
         )
-
-
-_MISSING = object()
-
-
-class _Fields:
-    """Typed access to a config dict; every error names the field (with aliases) it is about."""
-
-    def __init__(self, raw: dict[str, Any], prefix: str = "") -> None:
-        self.raw, self.prefix = raw, prefix
-
-    def _get(self, names: tuple[str, ...], default: Any) -> tuple[str, Any]:
-        for name in names:
-            if name in self.raw:
-                return name, self.raw[name]
-        if default is _MISSING:
-            alias = f" (or {', '.join(self.prefix + n for n in names[1:])})" if len(names) > 1 else ""
-            raise ConfigError(f"config field {self.prefix}{names[0]}{alias} is missing")
-        return names[0], default
-
-    def as_int(self, *names: str, default: Any = _MISSING, minimum: int = 1) -> Any:
-        name, value = self._get(names, default)
-        if value is None and default is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be an integer >= {minimum}")
-        return value
-
-    def as_float(self, *names: str, default: Any = _MISSING) -> Any:
-        name, value = self._get(names, default)
-        if value is None and default is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be a number")
-        return float(value)
-
-    def as_bool(self, *names: str, default: Any = _MISSING) -> bool:
-        name, value = self._get(names, default)
-        if not isinstance(value, bool):
-            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be true or false")
-        return value
-
-    def as_str(self, *names: str, default: Any = _MISSING) -> str:
-        name, value = self._get(names, default)
-        if not isinstance(value, str):
-            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be a string")
-        return value
-
-    def get_raw(self, name: str) -> Any:
-        return self._get((name,), _MISSING)[1]
-
-    def as_dict(self, name: str) -> dict[str, Any]:
-        _, value = self._get((name,), _MISSING)
-        if not isinstance(value, dict):
-            raise ConfigError(f"config field {self.prefix}{name} must be an object")
-        return value
 
 
 def _check_architecture(raw: dict[str, Any]) -> str:
@@ -335,7 +265,7 @@ def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def _moe(f: _Fields, is_k3: bool) -> MoEConfig:
+def _moe(f: ConfigFields, is_k3: bool) -> MoEConfig:
     return MoEConfig(
         num_experts=f.as_int("num_experts", "num_local_experts"),
         top_k=f.as_int("num_experts_per_token", "num_experts_per_tok"),
@@ -351,14 +281,14 @@ def _moe(f: _Fields, is_k3: bool) -> MoEConfig:
     )
 
 
-def _lower_bound(lf: _Fields) -> float | None:
+def _lower_bound(lf: ConfigFields) -> float | None:
     bound = lf.as_float("gate_lower_bound", default=None)
     if bound is not None and bound >= 0:
         raise ConfigError(f"config field {lf.prefix}gate_lower_bound={bound} must be negative")
     return bound
 
 
-def _activation(f: _Fields, is_k3: bool) -> ActivationConfig:
+def _activation(f: ConfigFields, is_k3: bool) -> ActivationConfig:
     """SiLU-GLU for Kimi Linear, SiTU for K3 (model-spec §6); the KDA short conv uses SiLU either way (§3.1)."""
     expected = "situ" if is_k3 else "silu"
     hidden_act = f.as_str("hidden_act", default=expected)
@@ -377,52 +307,7 @@ def _activation(f: _Fields, is_k3: bool) -> ActivationConfig:
     return ActivationConfig(kind="situ", situ_beta=1.0 if beta is None else beta, situ_linear_beta=linear_beta)
 
 
-def _quantization(text: dict[str, Any], raw: dict[str, Any], prefix: str, is_k3: bool) -> QuantizationConfig | None:
-    """K3's MXFP4 `quantization_config` (inside `text_config`; a top-level copy is read if the text one is absent)."""
-    if "quantization_config" not in text and is_k3 and "quantization_config" in raw:
-        text, prefix = raw, ""
-    q = text.get("quantization_config")
-    name = f"{prefix}quantization_config"
-    if q is None:
-        return None
-    if not is_k3:
-        raise ConfigError(f"config field {name} is not supported for KimiLinearForCausalLM (unquantised weights only)")
-    if not isinstance(q, dict):
-        raise ConfigError(f"config field {name} must be an object")
-    method = _Fields(q, prefix=f"{name}.").as_str("quant_method")
-    if method == "mxfp4":
-        return QuantizationConfig(layout="gpt-oss", ignore=tuple(q.get("modules_to_not_convert") or ()))
-    if method != "compressed-tensors":
-        raise ConfigError(
-            f"config field {name}.quant_method={method!r} is not supported (supported: 'compressed-tensors' with "
-            f"format {MXFP4_FORMAT!r}, 'mxfp4' for the gpt-oss layout)"
-        )
-    groups = q.get("config_groups") or {}
-    formats = {g.get("format") for g in groups.values() if isinstance(g, dict)} | {q.get("format")}
-    formats.discard(None)
-    if formats != {MXFP4_FORMAT}:
-        raise ConfigError(
-            f"config field {name}.format={sorted(formats) if len(formats) != 1 else formats.pop()!r} is not "
-            f"supported (supported: {MXFP4_FORMAT!r})"
-        )
-    for group_name, group in groups.items():
-        _check_mxfp4_group(group, f"{name}.config_groups.{group_name}")
-    return QuantizationConfig(layout="compressed-tensors", ignore=tuple(q.get("ignore") or ()))
-
-
-def _check_mxfp4_group(group: Any, name: str) -> None:
-    weights = (group.get("weights") or {}) if isinstance(group, dict) else {}
-    for key, want in (("num_bits", 4), ("type", "float"), ("group_size", 32)):
-        if weights.get(key, want) != want:
-            raise ConfigError(f"config field {name}.weights.{key}={weights[key]!r} is not MXFP4 (expected {want!r})")
-    if isinstance(group, dict) and group.get("input_activations") is not None:
-        raise ConfigError(
-            f"config field {name}.input_activations must be null: stored activation quantisation is not supported "
-            "(MXFP8 activation rounding is a run-time option)"
-        )
-
-
-def _layer_kinds(lf: _Fields, num_layers: int, layer_types: Any) -> tuple[str, ...]:
+def _layer_kinds(lf: ConfigFields, num_layers: int, layer_types: Any) -> tuple[str, ...]:
     """Turn the 1-based `kda_layers` / `full_attn_layers` lists into one kind per 0-based layer."""
     kinds: list[str | None] = [None] * num_layers
     for field, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):

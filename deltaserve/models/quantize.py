@@ -15,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deltaserve.config import ModelConfig
-from deltaserve.config.model import K3_ARCHITECTURE, MXFP4_FORMAT
+from deltaserve.config.model import K3_ARCHITECTURE
+from deltaserve.config.quantization import MXFP4_FORMAT
 from deltaserve.models.loader import INDEX_FILE, checkpoint_shards
 from deltaserve.ops.mxfp4 import BLOCK_SIZE, mxfp4_quantize
 

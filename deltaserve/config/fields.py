@@ -1,0 +1,65 @@
+"""Typed, validated access to the fields of a checkpoint's config dict: every error names the field it is about."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A checkpoint config field is missing, unsupported or inconsistent; the message names the field."""
+
+
+_MISSING = object()
+
+
+class ConfigFields:
+    """Typed access to a config dict; every error names the field (with aliases) it is about."""
+
+    def __init__(self, raw: dict[str, Any], prefix: str = "") -> None:
+        self.raw, self.prefix = raw, prefix
+
+    def _get(self, names: tuple[str, ...], default: Any) -> tuple[str, Any]:
+        for name in names:
+            if name in self.raw:
+                return name, self.raw[name]
+        if default is _MISSING:
+            alias = f" (or {', '.join(self.prefix + n for n in names[1:])})" if len(names) > 1 else ""
+            raise ConfigError(f"config field {self.prefix}{names[0]}{alias} is missing")
+        return names[0], default
+
+    def as_int(self, *names: str, default: Any = _MISSING, minimum: int = 1) -> Any:
+        name, value = self._get(names, default)
+        if value is None and default is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be an integer >= {minimum}")
+        return value
+
+    def as_float(self, *names: str, default: Any = _MISSING) -> Any:
+        name, value = self._get(names, default)
+        if value is None and default is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be a number")
+        return float(value)
+
+    def as_bool(self, *names: str, default: Any = _MISSING) -> bool:
+        name, value = self._get(names, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be true or false")
+        return value
+
+    def as_str(self, *names: str, default: Any = _MISSING) -> str:
+        name, value = self._get(names, default)
+        if not isinstance(value, str):
+            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be a string")
+        return value
+
+    def get_raw(self, name: str) -> Any:
+        return self._get((name,), _MISSING)[1]
+
+    def as_dict(self, name: str) -> dict[str, Any]:
+        _, value = self._get((name,), _MISSING)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config field {self.prefix}{name} must be an object")
+        return value
