@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuild the embedded default model (deltaserve/default_model/) from nothing in one run: tokenizer, data and
-# 3,300 training steps (12.7M tokens; 55 minutes with 2 threads on a 2-core AMD EPYC at ~3,900 tokens/s).
+# 3,300 training steps (12.7M tokens; 51-55 minutes with 2 threads on a 2-core AMD EPYC at 3,900-4,150 tokens/s).
 # Deterministic for this seed and thread count. See deltaserve/default_model/MODEL_CARD.md for the data mix and
 # what came out; the seven-stage chain that built the previous release is in git history (commit 876ca8b).
 set -euo pipefail
