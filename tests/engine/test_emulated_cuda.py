@@ -1,0 +1,113 @@
+"""The engine with ``device="cuda"`` on a CUDA device emulated on the CPU (tests/emulated_cuda.py).
+
+No GPU is lent to CI, so these tests stand in for the placement half of tests/engine/test_gpu.py: every tensor the
+engine, the sampler and `bench offline` touch must be on the device a CUDA build demands, and the outputs must be
+those of the CPU run (the emulated device computes on the CPU, so they are equal bit for bit, sampled rows too).
+They also count the device-to-host copies of a decode step, each a stream sync on a real GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.entrypoints.llm import LLM
+from deltaserve.sampling_params import SamplingParams, StructuredOutput
+from tests.emulated_cuda import CUDA, DeviceMismatchError, EmuTensor, compiler, emulated_cuda
+
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="a real CUDA device is here: tests/engine/test_gpu.py"),
+    pytest.mark.skipif(compiler() is None, reason="the emulated device's guard is built with a C++ compiler"),
+]
+
+PROMPTS = [[5, 9, 33, 7], list(range(40, 90)), [3] * 20]
+
+
+def test_emulator_rejects_what_cuda_rejects():
+    with emulated_cuda() as stats:
+        a = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+        assert isinstance(a, EmuTensor) and a.device == CUDA and a.is_cuda
+        host = torch.ones(3, 4)
+        with pytest.raises(DeviceMismatchError, match="cpu"):
+            a + host
+        with pytest.raises(DeviceMismatchError):
+            a @ host.T
+        with pytest.raises(DeviceMismatchError):  # a generator must live on the device it draws for
+            torch.rand(2, generator=torch.Generator(device="cuda"))
+        # What CUDA allows: CPU 0-dim scalars, CPU index tensors, explicit copies.
+        b = (a * torch.tensor(2.0))[torch.tensor([0, 2])] + host[:2].to("cuda")
+        assert b.device == CUDA
+        assert stats.device_to_host == 0
+        assert b.tolist() == ((torch.arange(12.0).reshape(3, 4) * 2)[[0, 2]] + 1).tolist()
+        assert int(b.sum()) == 96
+        assert stats.device_to_host == 2
+
+
+@pytest.mark.parametrize("variant", ["base", "k3", "odd-sizes"])
+def test_engine_on_emulated_cuda_equals_cpu(tiny_dir, variant):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in LLM(model=str(tiny_dir(variant))).generate(PROMPTS, params)]
+    with emulated_cuda():
+        llm = LLM(model=str(tiny_dir(variant)), device="cuda", max_num_batched_tokens=32)  # chunked prefill
+        assert all(p.device == CUDA for p in llm.engine.runner.model.parameters())
+        gpu = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert gpu == cpu
+
+
+def test_sampling_structured_and_prefix_cache_on_emulated_cuda(tiny_dir):
+    """Every sampler path (seeded and shared draws, top-k/p, min-p, penalties, min_tokens, logprobs, a grammar
+    bitmask) and a prefix-cache hit, on the device, give the CPU run's tokens and logprobs."""
+    shared = list(range(100, 164))  # four 16-token blocks: the second round hits the cache
+    prompts = [shared + [7, 8], shared + [9], [11, 12, 13]]
+    params = [
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=8, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.5,
+                       frequency_penalty=0.2, max_tokens=8, min_tokens=4, stop_token_ids=(1, 2)),
+        SamplingParams(temperature=0.0, max_tokens=6, structured=StructuredOutput(kind="regex", spec="[ab ]+")),
+    ]
+
+    def run(llm: LLM) -> list:
+        rounds = [llm.generate(prompts, params) for _ in range(2)]
+        assert rounds[1][0].num_cached_tokens >= 48
+        return [(c.token_ids, c.logprobs) for r in rounds for o in r for c in o.outputs]
+
+    cpu = run(LLM(model=str(tiny_dir("base")), seed=5))
+    with emulated_cuda():
+        gpu = run(LLM(model=str(tiny_dir("base")), seed=5, device="cuda"))
+    assert gpu == cpu
+
+
+def test_decode_step_copies_to_host(tiny_dir):
+    """A pure decode step copies to the host once for the sampled tokens and once per MoE layer (the grouped
+    reference MoE needs the rows per expert on the host): the figure a fused GPU MoE would bring to 1."""
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    with emulated_cuda() as stats:
+        llm = LLM(model=str(tiny_dir("base")), device="cuda")
+        engine = llm.engine
+        moe_layers = sum(1 for m in engine.runner.model.modules() if type(m).__name__ == "MoE")
+        counts: list[int] = []
+        before = stats.device_to_host
+        for rid, prompt in enumerate(PROMPTS):
+            engine.add_request(str(rid), prompt, params)
+        while engine.has_unfinished_requests():
+            out = engine.step()
+            counts.append(stats.device_to_host - before)
+            before = stats.device_to_host
+            del out
+    assert moe_layers > 0
+    # Step 1 prefills all three prompts; steps 2-9 decode all three; nothing is left after.
+    assert counts[1:9] == [1 + moe_layers] * 8, counts
+
+
+def test_bench_offline_on_emulated_h200(tiny_dir):
+    """`bench offline --device cuda` end to end, transformers baseline included, with the roofline computed against
+    the H200 figures (the timings are the CPU's, so the share itself means nothing here)."""
+    from deltaserve.bench.offline import OfflineBenchArgs, run
+
+    args = OfflineBenchArgs(model=str(tiny_dir("base")), device="cuda", num_prompts=4, input_len=16, output_len=8)
+    with emulated_cuda(name="NVIDIA H200"):
+        result = run(args)
+    roof = result["deltaserve"]["roofline"]
+    assert roof["decode_steps"] == 7 and roof["mean_batch"] == 4.0
+    assert roof["ceilings_source"].startswith("H200") and 0 < roof["share"] < 1
+    assert result["transformers"]["output_tokens"] == 4 * 8 and result["speedup"] > 0
