@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every GPU check and GPU benchmark in one run, for a session that is lent a CUDA machine (about 15 minutes of
+# device time in all): the tests marked `gpu`, then `bench offline --device cuda` against transformers, with the
+# decode roofline share. The device machine has torch, transformers, safetensors, tokenizers and tiktoken but no
+# network, so the package runs from the checkout (PYTHONPATH), not installed. Logs and JSON go to ${OUT:-gpu-results}/.
+# Usage (from the repository root): bash scripts/gpu_checks.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-results}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+{ nvidia-smi; $py -c "import torch, transformers; print(torch.__version__, transformers.__version__,
+  torch.cuda.get_device_name(0))"; } > "$out/env.txt" 2>&1
+$py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py > "$out/pytest-gpu.txt" 2>&1
+tail -3 "$out/pytest-gpu.txt"
+bench() {  # name, then bench offline arguments; without the transformers baseline if that one fails
+  $py -m deltaserve.entrypoints.cli bench offline --device cuda --result-file "$out/$1.json" "${@:2}" \
+    > "$out/$1.txt" 2>&1 \
+  || $py -m deltaserve.entrypoints.cli bench offline --device cuda --no-baseline --result-file "$out/$1.json" \
+    "${@:2}" >> "$out/$1.txt" 2>&1
+  grep -E "deltaserve:|transformers:|speedup|roofline" "$out/$1.txt"
+}
+bench offline-32x256x128 --num-prompts 32 --input-len 256 --output-len 128
+bench offline-64x1024x256 --num-prompts 64 --input-len 1024 --output-len 256
+bench offline-bf16-32x256x128 --dtype bfloat16 --num-prompts 32 --input-len 256 --output-len 128
