@@ -207,10 +207,10 @@ def test_silu_and_mul() -> None:
         silu_and_mul(torch.zeros(2, 7))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 32, 300])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("num_tokens", [1, 5, 32, 300, 2100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_moe_experts_sorted_path_matches_reference(num_tokens, dtype):
-    """The sorted grouped fast path equals the grouped reference (experts with no tokens included)."""
+    """The sorted grouped-GEMM fast path equals the grouped reference (experts with no tokens included)."""
     from deltaserve.ops import moe as dispatch
     from deltaserve.ops.moe import sorted as sorted_path
 
@@ -222,9 +222,22 @@ def test_moe_experts_sorted_path_matches_reference(num_tokens, dtype):
     weights, ids = moe_route(torch.randn(num_tokens, e, generator=g), None, top_k=k, num_expert_group=1,
                              topk_group=1, renormalize=True, routed_scaling_factor=2.0)
     ref = moe_experts(x, w13, w2, weights, ids)
-    counts = torch.bincount(ids.reshape(-1), minlength=e).tolist()
-    out = sorted_path.moe_experts_sorted(x, w13, w2, weights, ids, counts)
+    out = sorted_path.moe_experts_sorted(x, w13, w2, weights, ids)
     # The same per-expert GEMMs on the same rows in the same order: identical, not merely close.
     assert torch.equal(ref, out), (ref - out).abs().max()
     assert torch.equal(ref, dispatch.moe_experts(x, w13, w2, weights, ids))
-    assert sorted_path.supports(num_tokens * k) == (num_tokens * k <= sorted_path.MAX_PAIRS)
+
+
+def test_moe_experts_fp64_runs_the_reference():
+    """grouped_mm has no fp64 kernel: fp64 (the tests' high-precision runs) keeps the reference loop."""
+    from deltaserve.ops import moe as dispatch
+    from deltaserve.ops.moe import sorted as sorted_path
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 40, generator=g, dtype=torch.float64)
+    w13 = torch.randn(8, 48, 40, generator=g, dtype=torch.float64)
+    w2 = torch.randn(8, 40, 24, generator=g, dtype=torch.float64)
+    weights, ids = moe_route(torch.randn(6, 8, generator=g), None, top_k=2, num_expert_group=1, topk_group=1,
+                             renormalize=True, routed_scaling_factor=1.0)
+    assert not sorted_path.supports(torch.float64) and sorted_path.supports(torch.bfloat16)
+    assert torch.equal(dispatch.moe_experts(x, w13, w2, weights, ids), moe_experts(x, w13, w2, weights, ids))

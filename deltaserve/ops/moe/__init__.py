@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -17,12 +16,11 @@ from deltaserve.ops.moe.ref import moe_route
 def moe_experts(x: Tensor, w13: Any, w2: Any, topk_weights: Tensor, topk_ids: Tensor, *,
                 act: Callable[[Tensor], Tensor] = silu_and_mul, linear: Callable[[Tensor, Any], Tensor] = F.linear,
                 fp32_combine: bool = False) -> Tensor:
-    """Weighted sum of the chosen gated experts (contract: `ref.moe_experts`). Dense SiLU-GLU experts take the
-    sorted grouped path at decode-sized batches; other activations, weight formats (MXFP4), the fp32 combine and
-    large batches run the reference loop."""
-    if act is silu_and_mul and linear is F.linear and not fp32_combine and sorted.supports(topk_ids.numel()):
-        counts = torch.bincount(topk_ids.reshape(-1).long(), minlength=w13.shape[0]).tolist()
-        return sorted.moe_experts_sorted(x, w13, w2, topk_weights, topk_ids, counts)
+    """Weighted sum of the chosen gated experts (contract: `ref.moe_experts`). Dense SiLU-GLU experts in fp32 /
+    bf16 / fp16 take the sorted grouped-GEMM path; other activations, weight formats (MXFP4), the fp32 combine and
+    fp64 run the reference loop."""
+    if act is silu_and_mul and linear is F.linear and not fp32_combine and sorted.supports(x.dtype):
+        return sorted.moe_experts_sorted(x, w13, w2, topk_weights, topk_ids)
     return ref.moe_experts(x, w13, w2, topk_weights, topk_ids, act=act, linear=linear, fp32_combine=fp32_combine)
 
 
