@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+INT64_MAX = 2**63 - 1
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily."""
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "lark"]
 STRUCTURED_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark")
@@ -36,9 +41,9 @@ class SamplingParams:
     min_tokens: int = 0
     """Stop tokens and stop strings are ignored (stop tokens masked) until this many tokens exist."""
     temperature: float = 1.0
-    """0 means greedy (argmax)."""
+    """0 means greedy (argmax); so does anything below 1e-5, where logits / temperature would overflow (as vLLM)."""
     top_k: int = 0
-    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    """Keep the k most likely tokens; 0 or -1 keeps all (so does k >= the vocabulary size)."""
     top_p: float = 1.0
     """Keep the smallest set of most likely tokens whose probability reaches top_p."""
     min_p: float = 0.0
@@ -76,10 +81,27 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        self._check_floats()
+        _check_int("top_k", self.top_k, -1)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+            if self.logprobs > 20:
+                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative 64-bit integers, got {self.stop_token_ids!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+
+    def _check_floats(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -89,24 +111,24 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > 20:
-                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of output sequence `index` of a request with `n` > 1: `seed + index`, wrapped past 2**64 - 1."""
+    if seed is None:
+        return None
+    return seed + index - 2**64 if seed + index >= 2**64 else seed + index
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    # Every integer must fit int64: they travel to the engine process and into int64 tensors.
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be an integer in [{minimum}, 2**63 - 1], got {value!r}")

@@ -178,12 +178,17 @@ class AsyncEngineClient:
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        try:
+            message = self._encoder.encode(AddRequest(
+                request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                eos_token_ids=eos_token_ids, priority=priority))
+        except (OverflowError, UnicodeEncodeError, TypeError) as exc:  # a value the wire cannot carry
+            raise EngineRequestError(f"the request cannot be sent to the engine: {exc}") from exc
         queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
-            self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-                                  eos_token_ids=eos_token_ids, priority=priority))
+            self._input.send(message, zmq.NOBLOCK)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):

@@ -15,7 +15,7 @@ from deltaserve.default_model import default_model_dir
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.outputs import CompletionOutput, RequestOutput
 from deltaserve.request import FinishReason
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, child_seed
 from deltaserve.text.detokenizer import IncrementalDetokenizer
 from deltaserve.text.tokenizer import Tokenizer
 
@@ -114,7 +114,7 @@ class LLM:
             outputs = []
             for j in range(params.n):
                 child = params if params.n == 1 else dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + j)
+                    params, n=1, seed=child_seed(params.seed, j))
                 rid = request_id if params.n == 1 else f"{request_id}-{j}"
                 out = CompletionOutput(index=j, text="", token_ids=[], finish_reason=None)
                 detok = IncrementalDetokenizer(

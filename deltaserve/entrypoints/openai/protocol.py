@@ -8,6 +8,7 @@ Unknown fields are ignored, as the OpenAI API does.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -100,7 +101,8 @@ class SamplingFields(_Request):
             return SamplingParams(**values)
         except ValueError as exc:
             message = str(exc)
-            param = next((k for k in values if message.startswith(k)), None)
+            field = re.match(r"\w+", message)  # SamplingParams' messages start with the field's name
+            param = field.group() if field and field.group() in values else None
             raise bad_request(message, param=param) from exc
 
 

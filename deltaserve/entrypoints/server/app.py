@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve.entrypoints.anthropic.messages import create_message, create_message_stream
 from deltaserve.entrypoints.anthropic.protocol import MessagesRequest
@@ -54,13 +55,47 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        data = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    if _nesting_exceeds(data, MAX_JSON_DEPTH):
+        # Tool schemas and messages are walked recursively downstream (rendering, grammar compilation).
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    if (b"\\ud" in raw or b"\\uD" in raw) and _has_lone_surrogate(data):
+        raise ApiError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair), which is "
+                       "not valid Unicode text", code="invalid_json")
     return data
+
+
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of objects and arrays accepted in a request body."""
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _nesting_exceeds(data: Any, limit: int) -> bool:
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -113,6 +148,11 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
         return _error_response(request, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes (404) and methods (405) get the same error body as every other failure.
+        return _error_response(request, ApiError(exc.status_code, str(exc.detail), headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

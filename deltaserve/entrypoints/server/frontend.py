@@ -11,19 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from deltaserve.chat.format import ChatFormat
+from deltaserve.chat.messages import ToolSpec
 from deltaserve.config import ServerConfig
 from deltaserve.engine.client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.metrics import ServerMetrics
 from deltaserve.parsers.types import OutputParser, ParsedDelta
 from deltaserve.request import FinishReason
-from deltaserve.sampling_params import SamplingParams, StructuredOutput
+from deltaserve.sampling_params import SamplingParams, StructuredOutput, child_seed
 from deltaserve.structured.backend import StructuredOutputBackend
 from deltaserve.text.detokenizer import IncrementalDetokenizer
 from deltaserve.text.stop_strings import StopStringFilter
@@ -142,10 +144,21 @@ class Frontend:
         except ValueError as exc:
             raise bad_request(str(exc), param=param, code="invalid_structured_output") from exc
 
+    def validate_tool_grammar(self, tools: Sequence[ToolSpec], grammar: StructuredOutput, *, param: str) -> None:
+        """400 naming the tool whose parameter schema cannot be compiled, for a request whose tool calls are
+        forced by a grammar (checked before queueing, so a streaming request gets it as an HTTP error)."""
+        for i, tool in enumerate(tools):
+            self.validate_structured(StructuredOutput("json_schema", json.dumps(tool.parameters)),
+                                     param=f"{param}[{i}]")
+        self.validate_structured(grammar, param=param)
+
     def check_capacity(self, n: int) -> None:
         """503 with Retry-After when the engine's queue is full, 503 when the engine is gone."""
         if not self.client.is_alive:
             raise ApiError(503, "the engine process is not running", code="engine_dead")
+        if n > self.max_num_seqs + self.config.max_queued_requests:  # would never be admitted: retrying is no use
+            raise bad_request(f"the request asks for {n} sequences; the server holds at most "
+                              f"{self.max_num_seqs + self.config.max_queued_requests} running and queued", param="n")
         if self.client.num_unfinished + n > self.max_num_seqs + self.config.max_queued_requests:
             raise ApiError(503, "the server is overloaded: too many queued requests; retry later",
                            code="queue_full", headers={"Retry-After": "1"})
@@ -159,16 +172,23 @@ class Frontend:
                               f"prompt has {prompt_len} tokens (room for at least one generated token is needed).",
                               param=prompt_param,
                               code="context_length_exceeded")
-        if requested is None:
-            return room
-        if requested < 1:
+        if requested is not None and requested < 1:
             raise bad_request(f"{param} must be at least 1, got {requested}", param=param)
-        if requested > room:
+        if requested is not None and requested > room:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                               f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
                               f"for the completion). Please reduce the prompt or {param}.", param=param,
                               code="context_length_exceeded")
-        return requested
+        max_tokens = room if requested is None else requested
+        # The engine refuses a request whose KV could never fit its cache; checked here too, so that a streaming
+        # request gets the 400 before its event stream starts. Its last token's KV is never cached.
+        info = self.client.info
+        need = prompt_len + max_tokens - 1
+        if -(-need // info.block_size) > info.num_blocks:
+            raise bad_request(f"the request needs up to {need} tokens of KV cache but the server's cache holds "
+                              f"{info.num_blocks * info.block_size}: lower {param} or the prompt", param=param,
+                              code="context_length_exceeded")
+        return max_tokens
 
     def check_prompt_ids(self, ids: Sequence[int], *, param: str = "prompt") -> list[int]:
         vocab = self.client.info.vocab_size
@@ -190,7 +210,7 @@ class Frontend:
         children = []
         for j in range(params.n):
             child = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + j)
+                params, n=1, seed=child_seed(params.seed, j))
             rid = request_id if params.n == 1 else f"{request_id}-{j}"
             children.append((_Child(j, rid, make_processor(child)), child))
         queue: asyncio.Queue = asyncio.Queue()

@@ -1,0 +1,120 @@
+"""Inputs found by fuzzing the live server (session 6): each once crashed the engine, answered 500, or answered a
+stream's 200 with an in-stream error. Each must now be a 4xx with a proper body, and the server must keep serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.entrypoints.server_fixture import start_server, stop_server
+from tests.entrypoints.test_server_errors import CHAT, USER, _openai_error, _post, _still_serving
+
+COMPLETIONS = "/v1/completions"
+
+
+def _alive(server) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    _still_serving(server)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"top_k": 2**63, "top_p": 0.9}, "top_k"),  # once killed the engine process (int64 overflow in the sampler)
+    ({"seed": 2**64}, "seed"),  # once a 500 (msgpack could not encode it)
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+])
+def test_integers_beyond_64_bits_are_rejected(server, extra, param):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 1.0, **extra}
+    _openai_error(_post(server, COMPLETIONS, body), 400, param)
+    _alive(server)
+
+
+def test_large_in_range_integers_are_served(server):
+    """top_k above the vocabulary keeps every token; n seeds past 2**64 - 1 wrap instead of overflowing."""
+    for extra in ({"top_k": 2**62, "top_p": 0.9}, {"n": 2, "seed": 2**64 - 1}):
+        resp = _post(server, COMPLETIONS, {"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra})
+        assert resp.status_code == 200, resp.text
+
+
+def test_json_constants_and_tiny_temperature(server):
+    raw = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": NaN}'
+    err = _openai_error(_post(server, COMPLETIONS, raw=raw), 400)
+    assert "NaN" in err["message"]
+    _openai_error(_post(server, COMPLETIONS, raw=raw.replace(b"NaN", b"Infinity")), 400)
+    # Below 1e-5 the temperature is greedy (logits / 1e-45 overflowed to NaN and sampled token 0 every step).
+    prompt = {"model": "tiny", "prompt": [5, 9, 33, 7], "max_tokens": 6, "ignore_eos": True}
+    tiny = _post(server, COMPLETIONS, {**prompt, "temperature": 1e-45}).json()["choices"][0]["text"]
+    greedy = _post(server, COMPLETIONS, {**prompt, "temperature": 0}).json()["choices"][0]["text"]
+    assert tiny == greedy
+
+
+@pytest.mark.parametrize("path, body", [
+    (COMPLETIONS, {"model": "tiny", "prompt": "\ud800", "max_tokens": 2}),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "a\udfffb"}], "max_tokens": 2}),
+    (COMPLETIONS, {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": ["\ud800"]}),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 2, "system": "\ud800", "messages": USER}),
+])
+def test_lone_surrogates_are_rejected(server, path, body):
+    resp = _post(server, path, body)  # json.dumps writes them as \ud800 escapes
+    assert resp.status_code == 400, resp.text
+    assert "surrogate" in resp.text
+    _alive(server)
+
+
+def test_surrogate_pairs_are_text(server):
+    resp = _post(server, CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi \U0001F600"}],
+                                "max_tokens": 2})  # sent as the pair \ud83d\ude00
+    assert resp.status_code == 200, resp.text
+
+
+def test_deep_nesting_is_rejected(server):
+    deep = b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    _openai_error(_post(server, COMPLETIONS, raw=deep), 400)
+    # A tool schema 600 levels deep (once a RecursionError in rendering), written out: json.dumps would recurse too.
+    schema = '{"a": ' * 600 + "1" + "}" * 600
+    raw = ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+           '"function": {"name": "f", "parameters": ' + schema + "}}]}").encode()
+    err = _openai_error(_post(server, CHAT, raw=raw), 400)
+    assert "nests deeper" in err["message"]
+    _alive(server)
+
+
+BAD_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_call_with_a_bad_schema_is_a_400(server, stream):
+    body = {"model": "tiny", "messages": USER, "max_tokens": 8, "tools": BAD_TOOL, "tool_choice": "required",
+            "stream": stream}
+    _openai_error(_post(server, CHAT, body), 400, "tools[0]")
+    anthropic = {"model": "tiny", "max_tokens": 8, "messages": USER, "stream": stream,
+                 "tools": [{"name": "f", "input_schema": {"type": "nonsense"}}], "tool_choice": {"type": "any"}}
+    resp = _post(server, "/v1/messages", anthropic)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error", resp.text
+    _alive(server)
+
+
+def test_unknown_routes_and_methods_get_error_bodies(server):
+    resp = httpx.get(f"{server.url}{COMPLETIONS}", headers=server.headers())
+    assert _openai_error(resp, 405)["type"] == "invalid_request_error"
+    _openai_error(_post(server, "/v1/nope", {}), 404)
+    resp = _post(server, "/v1/messages/count_tokens", {})
+    assert resp.status_code == 404 and resp.json()["type"] == "error", resp.text
+
+
+def test_requests_that_can_never_fit_are_400_not_503(tiny_dir, tmp_path):
+    """On a server with a 256-token KV cache and room for 3 sequences: a request whose KV cannot fit, streaming or
+    not, and a request for more sequences than the server ever holds, are 400 (not 503 'retry later', and not a
+    200 stream carrying the error)."""
+    small = start_server(tiny_dir("base"), tmp_path, "--num-blocks", "16", "--max-num-seqs", "2",
+                         "--max-queued-requests", "1", "--max-n", "8")
+    try:
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": [7] * 200, "max_tokens": 100, "stream": stream}
+            err = _openai_error(_post(small, COMPLETIONS, body), 400, "max_tokens")
+            assert "KV cache" in err["message"]
+        _openai_error(_post(small, COMPLETIONS, {"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 4}), 400, "n")
+        ok = _post(small, COMPLETIONS, {"model": "tiny", "prompt": [7] * 200, "max_tokens": 50})
+        assert ok.status_code == 200, ok.text
+    finally:
+        stop_server(small)
