@@ -3,8 +3,9 @@
 `run_engine_core` builds the engine, sends `Ready` (or `StartupError`), then loops: when the engine has no work it
 blocks on the input socket (waking every `PARENT_CHECK_S` to exit if its parent died); when it has work it takes
 whatever inputs arrived without waiting, runs one step and sends the step's outputs as one `OutputBatch`. A bad
-request becomes an error output for that request; an unexpected exception is logged and sent as `FatalError`, and
-the process exits.
+request becomes an error output for that request; a step that raises ends the requests in flight with an error and
+the loop goes on; an unexpected exception elsewhere (or `MAX_FAILED_STEPS` failing steps in a row) is logged and sent
+as `FatalError`, and the process exits.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ from deltaserve.engine.messages import (
 from deltaserve.request import FinishReason
 
 if TYPE_CHECKING:
-    from deltaserve.engine.engine_core import EngineCore
+    from deltaserve.engine.engine_core import EngineCore, EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
 PARENT_CHECK_S = 1.0
 """How often an idle engine wakes to check that its parent process still exists."""
+MAX_FAILED_STEPS = 3
+"""Steps in a row that may raise before the engine gives up (each one ends the requests it held)."""
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -112,6 +115,7 @@ class EngineProc:
         self.core, self.inputs, self.outputs, self.parent_pid = core, inputs, outputs, parent_pid
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.rejected: list[RequestOutput] = []
+        self.failed_steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -127,12 +131,26 @@ class EngineProc:
             batch = self.rejected
             self.rejected = []
             if self.core.has_unfinished_requests():
-                batch += [self.to_wire(out) for out in self.core.step()]
+                batch += [self.to_wire(out) for out in self.step()]
             if batch:
                 self.outputs.send(_ENCODER.encode(OutputBatch(outputs=batch, step=self.core.stats.steps)))
             if os.getppid() != self.parent_pid:  # orphaned while busy
                 logger.warning("parent process %d is gone: engine exiting", self.parent_pid)
                 return
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One engine step. A step that raises ends the requests in flight with an error and the engine goes on;
+        MAX_FAILED_STEPS failures in a row (a broken device, not one bad request) re-raise, which is fatal."""
+        try:
+            outputs = self.core.step()
+        except Exception as e:
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            logger.exception("engine step failed: ending the requests in flight with an error")
+            return self.core.fail_unfinished(f"internal error in an engine step: {_one_line(e)}")
+        self.failed_steps = 0
+        return outputs
 
     def wait_for_input(self) -> bool:
         """Block until an input arrives; False if the parent process died meanwhile."""

@@ -152,6 +152,17 @@ class EngineCore:
         if request is not None:
             request.grammar = None
 
+    def fail_unfinished(self, error: str) -> list[EngineCoreOutput]:
+        """After a step raised: end every request in the scheduler with `error` (an output each) and forget the
+        prefix cache, since the failed step may have registered blocks it never finished writing. Requests whose
+        grammar is still compiling were not in the step and stay."""
+        ids = list(self.scheduler.requests)
+        for request_id in ids:
+            self.finish_request(request_id, FinishReason.ERROR)
+        self.reset_prefix_cache()
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], logprobs=[], finish_reason=FinishReason.ERROR,
+                                 num_cached_tokens=0, error=error) for rid in ids]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.structured.num_pending > 0
 

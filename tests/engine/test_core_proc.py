@@ -1,5 +1,5 @@
 """The engine process loop (`core_proc`) in-process, around a fake engine core: input handling, batching of step
-outputs, bad requests, a failing step, an orphaned engine."""
+outputs, bad requests, failing steps, an orphaned engine."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ class FakeCore:
     """Each step gives every live request one token (its step number); requests end after params.max_tokens."""
 
     fail_at_step: int | None = None
+    failures: int = 1
+    """How many times the step at `fail_at_step` raises before it succeeds."""
     live: dict[str, list[int]] = field(default_factory=dict)
     stats: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(steps=0))
     finished: dict[str, FinishReason] = field(default_factory=dict)
@@ -58,7 +60,8 @@ class FakeCore:
             self.finished[request_id] = reason
 
     def step(self) -> list[SimpleNamespace]:
-        if self.stats.steps == self.fail_at_step:
+        if self.stats.steps == self.fail_at_step and self.failures:
+            self.failures -= 1
             raise RuntimeError("injected failure")
         self.stats.steps += 1
         outs = []
@@ -71,6 +74,13 @@ class FakeCore:
             if done:
                 del self.live[rid]
         return outs
+
+    def fail_unfinished(self, error: str) -> list[SimpleNamespace]:
+        failed = list(self.live)
+        for rid in failed:
+            self.finish_request(rid, FinishReason.ERROR)
+        return [SimpleNamespace(request_id=rid, new_token_ids=[], logprobs=[], finish_reason=FinishReason.ERROR,
+                                num_cached_tokens=0, error=error) for rid in failed]
 
     def get_stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.live), num_waiting=0, kv_blocks_used=0, kv_blocks_total=1,
@@ -149,13 +159,50 @@ def test_steps_batch_outputs_and_bad_requests_fail_alone(sockets):
     assert stats[0].stats.generation_tokens == len(outs["a"]) + len(outs["b"]) == 2 + len(outs["b"])
 
 
-def test_failing_step_sends_fatal_error(sockets):
+def _outputs_until_finished(receive: zmq.Socket, request_id: str) -> list:
+    decoder, outs = msgspec.msgpack.Decoder(EngineOutput), []
+    while True:
+        assert receive.poll(5000), "no output from the engine loop"
+        msg = decoder.decode(receive.recv())
+        assert isinstance(msg, OutputBatch), msg
+        outs += [o for o in msg.outputs if o.request_id == request_id]
+        if outs and outs[-1].finish_reason is not None:
+            return outs
+
+
+def test_failing_step_ends_the_requests_in_flight_and_the_engine_goes_on(sockets):
     send, inputs, outputs, receive = sockets
+    core = FakeCore(fail_at_step=1)
+    engine = threading.Thread(target=serve, args=(core, inputs, outputs, os.getppid()))
+    engine.start()
     _send(send, add("a", [1], 5))
-    assert not serve(FakeCore(fail_at_step=1), inputs, outputs, parent_pid=os.getppid())
+    a = _outputs_until_finished(receive, "a")
+    assert a[-1].finish_reason is FinishReason.ERROR and "injected failure" in a[-1].error
+    assert core.finished == {"a": FinishReason.ERROR}
+    _send(send, add("b", [2], 2))
+    b = _outputs_until_finished(receive, "b")
+    assert [o.finish_reason for o in b] == [None, FinishReason.LENGTH] and all(o.error is None for o in b)
+    _send(send, ShutdownRequest())
+    engine.join(5)
+    assert not engine.is_alive()
+
+
+def test_failing_steps_in_a_row_send_fatal_error(sockets):
+    """A step that fails MAX_FAILED_STEPS times in a row (each time with a new request to run) is fatal."""
+    send, inputs, outputs, receive = sockets
+    result = []
+    engine = threading.Thread(target=lambda: result.append(serve(FakeCore(fail_at_step=0, failures=99), inputs,
+                                                                  outputs, os.getppid())))
+    engine.start()
+    for i in range(core_proc.MAX_FAILED_STEPS - 1):
+        _send(send, add(f"r{i}", [1], 5))
+        assert _outputs_until_finished(receive, f"r{i}")[-1].finish_reason is FinishReason.ERROR
+    _send(send, add("last", [1], 5))
+    engine.join(5)
+    assert result == [False]
     msgs = _received(receive)
     assert isinstance(msgs[-1], FatalError) and msgs[-1].message == "RuntimeError: injected failure"
-    assert "Traceback" in msgs[-1].traceback and isinstance(msgs[0], OutputBatch)
+    assert "Traceback" in msgs[-1].traceback
 
 
 def test_orphaned_engine_exits(sockets, monkeypatch):

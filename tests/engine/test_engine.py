@@ -116,3 +116,33 @@ def test_abort_mid_generation_frees_blocks_and_slot(path, prompts):
         engine.step()
     usage = engine.cache.usage()
     assert usage.num_free_blocks == usage.num_blocks and usage.num_free_slots == usage.num_slots
+
+
+def test_failed_step_ends_requests_frees_cache_and_engine_recovers(path, prompts, alone, monkeypatch):
+    """A step that raises mid-forward (here: the third step's model forward) leaves the engine usable: every
+    request in it ends with an error, every block and slot is free, the prefix cache is forgotten (the step may
+    have half-written blocks it registered), and the next requests give the outputs of a fresh engine."""
+    llm = LLM(model=path, max_num_batched_tokens=64)
+    engine = llm.engine
+    for i, p in enumerate(prompts[10:14]):
+        engine.add_request(f"f{i}", p, GREEDY)
+    engine.step()
+    engine.step()
+    real_forward = engine.runner.model.forward
+
+    def failing_forward(*args, **kwargs):
+        real_forward(*args, **kwargs)  # the caches are written, then the step fails
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine.runner.model, "forward", failing_forward)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    monkeypatch.undo()
+    outputs = engine.fail_unfinished("the step failed")
+    assert sorted(o.request_id for o in outputs) == [f"f{i}" for i in range(4)]
+    assert all(o.error == "the step failed" for o in outputs)
+    assert not engine.has_unfinished_requests()
+    usage = engine.cache.usage()
+    assert usage.num_free_blocks == usage.num_blocks and usage.num_free_slots == usage.num_slots
+    again = llm.generate(prompts[10:14], GREEDY)
+    assert token_ids(again) == alone[10:14] and all(r.num_cached_tokens == 0 for r in again)
