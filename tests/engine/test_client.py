@@ -23,7 +23,7 @@ from deltaserve.engine.client import (
     EngineStartError,
     RequestDelta,
 )
-from deltaserve.engine.core_proc import run_engine_core
+from deltaserve.engine.core_proc import MAX_FAILED_STEPS, run_engine_core
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import StructuredOutput
 from tests.helpers import prompt_ids
@@ -299,14 +299,19 @@ def _engine_with_failing_step(config: EngineConfig, *args) -> None:
 
 
 def test_engine_failure_is_reported(loop, config, monkeypatch):
-    """An exception inside step reaches the client as the EngineDeadError message; the process exits with 1."""
+    """An exception inside step ends the requests in it with an error and the engine goes on; MAX_FAILED_STEPS
+    failing steps in a row reach the client as EngineDeadError with the message, and the process exits with 1."""
     monkeypatch.setattr(client_module, "run_engine_core", _engine_with_failing_step)
 
     async def scenario():
         client = await AsyncEngineClient.start(config)
         try:
+            for i in range(MAX_FAILED_STEPS - 1):  # the step counter stays at 2, so each new request fails there
+                with pytest.raises(EngineRequestError, match="injected step failure"):
+                    await collect(client, f"victim{i}", [1, 2, 3], LONG)
+                assert client.is_alive
             with pytest.raises(EngineDeadError, match="injected step failure"):
-                await collect(client, "victim", [1, 2, 3], LONG)
+                await collect(client, "last", [1, 2, 3], LONG)
         finally:
             await client.shutdown()
         return client
