@@ -125,15 +125,16 @@ class EngineProc:
             if not self.core.has_unfinished_requests() and not self.wait_for_input():
                 logger.warning("parent process %d is gone: engine exiting", self.parent_pid)
                 return
-            if not self.handle_inputs():
-                logger.info("engine shutting down")
-                return
-            batch = self.rejected
+            running = self.handle_inputs()
+            batch = self.rejected  # sent even on shutdown: the client may still wait for these answers
             self.rejected = []
-            if self.core.has_unfinished_requests():
+            if running and self.core.has_unfinished_requests():
                 batch += [self.to_wire(out) for out in self.step()]
             if batch:
                 self.outputs.send(_ENCODER.encode(OutputBatch(outputs=batch, step=self.core.stats.steps)))
+            if not running:
+                logger.info("engine shutting down")
+                return
             if os.getppid() != self.parent_pid:  # orphaned while busy
                 logger.warning("parent process %d is gone: engine exiting", self.parent_pid)
                 return

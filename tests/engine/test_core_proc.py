@@ -205,6 +205,14 @@ def test_failing_steps_in_a_row_send_fatal_error(sockets):
     assert "Traceback" in msgs[-1].traceback
 
 
+def test_rejections_queued_with_a_shutdown_are_still_sent(sockets):
+    send, inputs, outputs, receive = sockets
+    _send(send, add("empty", []), ShutdownRequest())
+    assert serve(FakeCore(), inputs, outputs, parent_pid=os.getppid())
+    (batch,) = _received(receive)
+    assert [o.request_id for o in batch.outputs] == ["empty"] and "prompt is empty" in batch.outputs[0].error
+
+
 def test_orphaned_engine_exits(sockets, monkeypatch):
     """An idle engine whose parent is gone (reparented: getppid changed) leaves its loop at the next check, and a
     busy one after its step."""
