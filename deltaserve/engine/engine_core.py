@@ -103,6 +103,7 @@ class EngineCore:
                                   num_slots=layout.num_slots + num_ckpt)
         self.stats = StepStats()
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
+        self._in_step: tuple[list[EngineCoreOutput], list[str]] | None = None
         """Called after every step with what was scheduled and the step's seconds (benchmarks use it)."""
         self.structured = StructuredOutputManager(
             config.structured_output_backend, lambda: Tokenizer.from_pretrained(config.model),
@@ -153,15 +154,20 @@ class EngineCore:
             request.grammar = None
 
     def fail_unfinished(self, error: str) -> list[EngineCoreOutput]:
-        """After a step raised: end every request in the scheduler with `error` (an output each) and forget the
-        prefix cache, since the failed step may have registered blocks it never finished writing. Requests whose
-        grammar is still compiling were not in the step and stay."""
-        ids = list(self.scheduler.requests)
+        """After `step` raised: end every request the step held or the scheduler holds with `error` (one output
+        each; the failed-compile outputs the step had already made come first), release the step's copy pins,
+        drop the runner's per-request state and forget the prefix cache, since the failed step may have
+        registered blocks and states it never finished writing. Requests still compiling a grammar stay."""
+        made, held = self._in_step or ([], [])
+        self._in_step = None
+        ids = list(dict.fromkeys([*held, *self.scheduler.requests]))
+        self.cache.end_step()
         for request_id in ids:
             self.finish_request(request_id, FinishReason.ERROR)
+        self.runner.forget_requests()
         self.reset_prefix_cache()
-        return [EngineCoreOutput(request_id=rid, new_token_ids=[], logprobs=[], finish_reason=FinishReason.ERROR,
-                                 num_cached_tokens=0, error=error) for rid in ids]
+        return made + [EngineCoreOutput(request_id=rid, new_token_ids=[], logprobs=[], finish_reason=FinishReason.ERROR,
+                                        num_cached_tokens=0, error=error) for rid in ids]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.structured.num_pending > 0
@@ -194,6 +200,7 @@ class EngineCore:
             self.structured.wait(IDLE_COMPILE_WAIT_S)  # nothing else to run: do not spin while grammars compile
         start = time.perf_counter()
         outputs = self._admit_compiled()
+        self._in_step = (list(outputs), list(self.scheduler.requests))  # what fail_unfinished reports if it raises
         out = self._with_grammar_bitmask(self.scheduler.schedule())
         result = self.runner.execute(out)
         events = self.scheduler.update_from_output(out, result)
@@ -211,6 +218,7 @@ class EngineCore:
                 finish_reason=e.finish_reason if error is None else FinishReason.ERROR,
                 num_cached_tokens=e.request.num_cached_tokens or 0, error=error,
             ))
+        self._in_step = None
         return outputs
 
     # -- structured output ---------------------------------------------------------------------------------------

@@ -66,6 +66,10 @@ class ModelRunner:
                     sampled[c.request_id] = SampledToken(tok, lp)
         return RunnerOutput(sampled=sampled, forward_seconds=self.last_forward_seconds)
 
+    def forget_requests(self) -> None:
+        """Drop every request's sampling state (after a failed step ended them all)."""
+        self._requests.clear()
+
     @staticmethod
     def _token_bitmask(out: SchedulerOutput, sampled: Sequence[ScheduledChunk]) -> TokenBitmask | None:
         """The grammar bitmask of the constrained rows among the `sampled` chunks (structured output), or None."""

@@ -119,30 +119,37 @@ def test_abort_mid_generation_frees_blocks_and_slot(path, prompts):
 
 
 def test_failed_step_ends_requests_frees_cache_and_engine_recovers(path, prompts, alone, monkeypatch):
-    """A step that raises mid-forward (here: the third step's model forward) leaves the engine usable: every
-    request in it ends with an error, every block and slot is free, the prefix cache is forgotten (the step may
-    have half-written blocks it registered), and the next requests give the outputs of a fresh engine."""
+    """A step that raises mid-forward (after writing its caches) leaves the engine usable: every request in it ends
+    with an error (the one whose grammar failed to compile just before keeps its own error), every block, slot and
+    pin is free, the prefix cache is forgotten (the step may have registered half-written blocks and states), and
+    the next requests give the outputs of a fresh engine."""
+    from deltaserve.sampling_params import StructuredOutput
+
     llm = LLM(model=path, max_num_batched_tokens=64)
     engine = llm.engine
-    for i, p in enumerate(prompts[10:14]):
+    first = llm.generate([prompts[12]], GREEDY)[0].outputs[0].token_ids  # 150 tokens: cached blocks + checkpoints
+    engine.add_request("hit", prompts[12] + first[:4] + [7, 8, 9], GREEDY)  # a prefix hit: its copies are pinned
+    for i, p in enumerate(prompts[10:12]):
         engine.add_request(f"f{i}", p, GREEDY)
-    engine.step()
-    engine.step()
+    engine.add_request("bad-grammar", [5, 6], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "(")))
+    engine.structured.wait(timeout=30)  # the compile fails now; the failing step below admits (reports) it
     real_forward = engine.runner.model.forward
 
     def failing_forward(*args, **kwargs):
-        real_forward(*args, **kwargs)  # the caches are written, then the step fails
+        real_forward(*args, **kwargs)
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(engine.runner.model, "forward", failing_forward)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     monkeypatch.undo()
-    outputs = engine.fail_unfinished("the step failed")
-    assert sorted(o.request_id for o in outputs) == [f"f{i}" for i in range(4)]
-    assert all(o.error == "the step failed" for o in outputs)
+    outputs = {o.request_id: o for o in engine.fail_unfinished("the step failed")}
+    assert sorted(outputs) == ["bad-grammar", "f0", "f1", "hit"]
+    assert "regex" in outputs["bad-grammar"].error
+    assert all(outputs[r].error == "the step failed" for r in ("f0", "f1", "hit"))
     assert not engine.has_unfinished_requests()
     usage = engine.cache.usage()
     assert usage.num_free_blocks == usage.num_blocks and usage.num_free_slots == usage.num_slots
-    again = llm.generate(prompts[10:14], GREEDY)
-    assert token_ids(again) == alone[10:14] and all(r.num_cached_tokens == 0 for r in again)
+    assert not engine.runner._requests
+    again = llm.generate(prompts[10:13], GREEDY)
+    assert token_ids(again) == alone[10:13] and all(r.num_cached_tokens == 0 for r in again)
