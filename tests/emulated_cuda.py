@@ -1,19 +1,27 @@
 """A CUDA device emulated on the CPU, for checking device placement where no GPU is lent.
 
 Inside `emulated_cuda()` a CPU-only torch accepts ``device="cuda"``: such tensors are `EmuTensor`s that report
-``cuda:0`` and hold CPU data. Every aten op checks its tensor arguments the way a real CUDA build does (one device
-per op; CPU 0-dim scalars and CPU index tensors allowed; generators on the op's device) and raises
-`DeviceMismatchError` otherwise, then runs on the CPU data. So the engine can run end to end with
-``device="cuda"`` and every tensor that a missing ``device=`` would leave on the CPU shows up as an error, with
-the same numbers as a CPU run. It also counts device-to-host transfers (each one a stream sync on a real GPU).
+``cuda:0`` and hold CPU data. Every aten op checks its tensor arguments the way a CUDA build does and raises
+`DeviceMismatchError` otherwise, then runs on the CPU data: one device per op, except CPU 0-dim tensors as scalars
+of elementwise ops, CPU index tensors of the indexing ops, copies across devices, and factories given a CPU
+template; a generator must be on its op's device; there is one GPU, cuda:0. So the engine can run end to end with
+``device="cuda"``, every tensor that a missing ``device=`` would leave on the CPU shows up as an error, and the
+numbers are those of a CPU run. It also counts device-to-host copies (each a stream sync on a GPU): explicit ones
+(`.item()`, `.tolist()`, `.cpu()`) and those inside CUDA kernels that size their output on the host (nonzero,
+boolean-mask indexing, bincount, unique, repeat_interleave without output_size, grouped_mm outside bf16 on
+sm90 / sm100).
 
-What it cannot see: CUDA kernels that do not exist for a dtype, numerics of GPU kernels, memory, speed.
+What it cannot see: CUDA kernels missing for a dtype, GPU numerics, memory, speed, and syncs it does not list.
+Left behind in the process after the context: the fake CUDA device guard stays registered, and torch's C++ flag
+that CUDA was initialised stays set (so a later ``torch.empty(device="cuda")`` fails with NotImplementedError
+rather than "Torch not compiled with CUDA enabled"). Tests that care about either should run in a subprocess.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import shutil
 import subprocess
 import tempfile
@@ -89,24 +97,23 @@ def _is_cuda(device: object) -> bool:
 class _Dispatch(TorchDispatchMode):
     """Unwraps EmuTensors, checks devices, runs the op on the CPU data, wraps results that live on the device."""
 
-    def __init__(self, stats: EmulationStats) -> None:
+    def __init__(self, stats: EmulationStats, capability: tuple[int, int]) -> None:
         super().__init__()
-        self.stats = stats
+        self.stats, self.capability = stats, capability
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         self.stats.ops += 1
-        devices: list[str] = []
-        for i, x in enumerate(tree_flatten((args, kwargs))[0]):
-            if isinstance(x, EmuTensor):
-                devices.append("cuda")
-            elif isinstance(x, torch.Tensor):
-                scalar = x.dim() == 0 and x.device.type == "cpu"
-                index = func in _INDEXING and i > 0 and x.device.type == "cpu"
-                if not (scalar or index):
-                    devices.append(x.device.type)
+        name = func.overloadpacket.__name__
+        if name in _METADATA_INPLACE and args and isinstance(args[0], EmuTensor):
+            raise NotImplementedError(f"{func}: in-place metadata ops would desync the wrapper from its data")
         target = kwargs.get("device")
         to_device = _is_cuda(target)
+        if to_device and torch.device(target).index not in (None, 0):
+            raise DeviceMismatchError(f"{func}: the emulated machine has one GPU, cuda:0; asked for {target}")
+        devices = _devices(func, args, kwargs)
+        if target is not None and (name.endswith("_like") or name.startswith("new_")):
+            devices = []  # a factory with a template tensor: the template's device does not matter
         if target is not None or (not devices and "device" in kwargs):  # a factory's own device (None: the CPU)
             devices.append("cuda" if to_device else torch.device(target or "cpu").type)
         if to_device:
@@ -120,11 +127,11 @@ class _Dispatch(TorchDispatchMode):
         elif func is _ATEN.copy_.default:
             on_device, to_host = first_on_device, isinstance(args[1], EmuTensor) and not first_on_device
         else:
-            on_device, to_host = to_device or "cuda" in devices, func is _ATEN._local_scalar_dense.default
-            to_host = to_host and first_on_device
+            on_device = to_device or "cuda" in devices
+            reads_back = func is _ATEN._local_scalar_dense.default or self._syncs_inside(func, args, kwargs)
+            to_host = on_device and reads_back
         self.stats.device_to_host += to_host
-        name = str(func)
-        self.stats.ops_by_name[name] = self.stats.ops_by_name.get(name, 0) + 1
+        self.stats.ops_by_name[str(func)] = self.stats.ops_by_name.get(str(func), 0) + 1
         args_cpu, kwargs_cpu = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
         if func is _ATEN.histc.default and not args_cpu[0].is_floating_point():
             # CUDA's histc takes integer input, the CPU kernel does not (transformers' MoE relies on it on GPUs).
@@ -138,6 +145,46 @@ class _Dispatch(TorchDispatchMode):
             return out
         with torch.inference_mode(False):  # an inference-mode wrapper cannot take the version counter of a view
             return tree_map(lambda x: EmuTensor(x) if type(x) is torch.Tensor else x, out)
+
+    def _syncs_inside(self, func, args: tuple, kwargs: dict) -> bool:
+        """CUDA kernels that read a result back to the host before they can size their output or pick a path."""
+        if func.overloadpacket.__name__ in _SYNCING:
+            return True
+        if func in (_ATEN.repeat_interleave.Tensor, _ATEN.repeat_interleave.self_Tensor):
+            return kwargs.get("output_size") is None
+        if func in _INDEXING:  # a boolean mask index is a nonzero()
+            masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+            return bool(masks)
+        if func is _ATEN._grouped_mm.default:  # only bf16 on sm90 / sm100 has the kernel that keeps offsets on the GPU
+            bf16 = all(t.dtype == torch.bfloat16 for t in args[:2])
+            return not (bf16 and self.capability[0] in (9, 10))
+        return False
+
+
+_METADATA_INPLACE = frozenset({"unsqueeze_", "squeeze_", "transpose_", "t_", "as_strided_", "resize_", "resize_as_",
+                               "set_", "swapdims_", "swapaxes_"})
+_SYNCING = frozenset({"nonzero", "masked_select", "bincount", "_unique2", "unique_dim", "unique_consecutive", "equal"})
+# Non-pointwise ops that take a CPU 0-dim tensor as a scalar on CUDA (pointwise ops all do).
+_TAKES_CPU_SCALAR = (_ATEN.fill_.Tensor, _ATEN.fill.Tensor, _ATEN.masked_fill.Tensor, _ATEN.masked_fill_.Tensor)
+
+
+def _devices(func, args: tuple, kwargs: dict) -> list[str]:
+    """The devices an op's tensor arguments force it onto, leaving out what CUDA moves by itself: CPU index
+    tensors of the indexing ops, CPU 0-dim tensors of pointwise ops (and of index_put's value without accumulate)."""
+    scalars_ok = torch.Tag.pointwise in func.tags or func in _TAKES_CPU_SCALAR
+    accumulate = func in _INDEXING and len(args) > 3 and bool(args[3])
+    devices = []
+    for pos, arg in enumerate((*args, *kwargs.values())):
+        for x in tree_flatten(arg)[0]:
+            if isinstance(x, EmuTensor):
+                devices.append("cuda")
+            elif isinstance(x, torch.Tensor):
+                index = func in _INDEXING and pos == 1
+                value = func in _INDEXING and pos == 2 and not accumulate
+                if x.device.type == "cpu" and (index or (x.dim() == 0 and (scalars_ok or value))):
+                    continue
+                devices.append(x.device.type)
+    return devices
 
 
 def _unwrap(x: object) -> object:
@@ -212,15 +259,19 @@ def _register_fake_cuda_guard() -> None:
     global _guard_library
     if _guard_library is not None:
         return
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("emulated_cuda() needs a C++ compiler (c++ or g++) to build its device guard")
-    torch_dir = Path(torch.__file__).parent
-    build = Path(tempfile.mkdtemp(prefix="fake-cuda-guard-"))
-    (build / "guard.cpp").write_text(_GUARD_SOURCE)
-    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", f"-I{torch_dir / 'include'}", str(build / "guard.cpp"),
-                    f"-L{torch_dir / 'lib'}", "-lc10", "-o", str(build / "guard.so")], check=True)
-    _guard_library = ctypes.CDLL(str(build / "guard.so"), mode=ctypes.RTLD_GLOBAL)
+    library = Path(tempfile.gettempdir()) / f"deltaserve-fake-cuda-guard-torch-{torch.__version__}.so"
+    if not library.exists():  # built once per machine and torch version (0.7 s)
+        cxx = compiler()
+        if cxx is None:
+            raise RuntimeError("emulated_cuda() needs a C++ compiler (c++ or g++) to build its device guard")
+        torch_dir = Path(torch.__file__).parent
+        with tempfile.TemporaryDirectory(prefix="fake-cuda-guard-") as build:
+            source, built = Path(build) / "guard.cpp", Path(build) / "guard.so"
+            source.write_text(_GUARD_SOURCE)
+            subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", f"-I{torch_dir / 'include'}", str(source),
+                            f"-L{torch_dir / 'lib'}", "-lc10", "-o", str(built)], check=True)
+            os.replace(built, library)  # atomic: a concurrent test process never loads half a file
+    _guard_library = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
 
 
 @contextlib.contextmanager
@@ -246,5 +297,5 @@ def emulated_cuda(free_bytes: int = 4 << 30, name: str = "emulated CUDA",
         # Module.to() would otherwise set `param.data`, which keeps the Parameter's class and loses the wrapper.
         stack.enter_context(mock.patch.object(torch.__future__, "_overwrite_module_params_on_conversion", True))
         stack.enter_context(_Function())
-        stack.enter_context(_Dispatch(stats))
+        stack.enter_context(_Dispatch(stats, capability))
         yield stats

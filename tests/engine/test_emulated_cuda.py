@@ -24,6 +24,7 @@ PROMPTS = [[5, 9, 33, 7], list(range(40, 90)), [3] * 20]
 
 
 def test_emulator_rejects_what_cuda_rejects():
+    """The device rule of the emulated CUDA build: mixed devices fail, what CUDA moves by itself passes."""
     with emulated_cuda() as stats:
         a = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
         assert isinstance(a, EmuTensor) and a.device == CUDA and a.is_cuda
@@ -34,13 +35,39 @@ def test_emulator_rejects_what_cuda_rejects():
             a @ host.T
         with pytest.raises(DeviceMismatchError):  # a generator must live on the device it draws for
             torch.rand(2, generator=torch.Generator(device="cuda"))
-        # What CUDA allows: CPU 0-dim scalars, CPU index tensors, explicit copies.
+        with pytest.raises(DeviceMismatchError):  # a CPU 0-dim tensor is a scalar only to elementwise ops
+            a.index_select(0, torch.tensor(1))
+        with pytest.raises(DeviceMismatchError):  # index_put_ with accumulate wants its values on the device
+            a.clone().index_put_((torch.tensor([0]),), torch.ones(1, 4), accumulate=True)
+        with pytest.raises(DeviceMismatchError, match="cuda:0"):
+            torch.zeros(2, device="cuda:1")
+        # What CUDA allows: CPU 0-dim scalars in elementwise ops, CPU index tensors, explicit copies, factories
+        # with a CPU template.
         b = (a * torch.tensor(2.0))[torch.tensor([0, 2])] + host[:2].to("cuda")
-        assert b.device == CUDA
+        assert b.device == CUDA and torch.zeros_like(host, device="cuda").device == CUDA
         assert stats.device_to_host == 0
         assert b.tolist() == ((torch.arange(12.0).reshape(3, 4) * 2)[[0, 2]] + 1).tolist()
         assert int(b.sum()) == 96
         assert stats.device_to_host == 2
+
+
+def test_emulator_counts_syncs_inside_kernels():
+    """Kernels that read a result back to the host count as device-to-host copies, like `.item()`."""
+    with emulated_cuda(capability=(9, 0)) as stats:
+        ids = torch.tensor([3, 1, 3, 0], device="cuda")
+        torch.searchsorted(ids.sort().values, torch.arange(4, device="cuda"), right=True)
+        assert stats.device_to_host == 0
+        torch.bincount(ids)  # reads min and max back
+        ids[ids > 1]  # a boolean mask is a nonzero()
+        torch.repeat_interleave(ids, ids)  # its output size
+        assert stats.device_to_host == 3
+        torch.repeat_interleave(ids, ids, output_size=7)
+        x, w = torch.ones(4, 8, device="cuda"), torch.ones(2, 8, 8, device="cuda")
+        offs = torch.tensor([1, 4], dtype=torch.int32, device="cuda")
+        torch.nn.functional.grouped_mm(x.bfloat16(), w.bfloat16(), offs=offs)  # sm90 bf16: offsets stay on the GPU
+        assert stats.device_to_host == 3
+        torch.nn.functional.grouped_mm(x, w, offs=offs)  # fp32: torch's per-group fallback copies the offsets
+        assert stats.device_to_host == 4
 
 
 @pytest.mark.parametrize("variant", ["base", "k3", "odd-sizes"])
@@ -77,12 +104,16 @@ def test_sampling_structured_and_prefix_cache_on_emulated_cuda(tiny_dir):
     assert gpu == cpu
 
 
-def test_decode_step_copies_to_host_once(tiny_dir):
-    """A pure decode step copies from the device once: the sampled tokens. (The MoE layers' grouped GEMM keeps
-    its group offsets on the device; before it, each MoE layer copied its rows per expert to the host.)"""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_step_copies_to_host(tiny_dir, dtype):
+    """A pure decode step in bf16 copies from the device once: the sampled tokens (the MoE grouped GEMM keeps its
+    group offsets on the device, MLA masks its gathered context without nonzero()). In fp32, torch's grouped GEMM
+    has no CUDA kernel and falls back to a per-expert loop that copies the offsets to the host: one more copy per
+    grouped GEMM, two per MoE layer."""
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
-    with emulated_cuda() as stats:
-        engine = LLM(model=str(tiny_dir("base")), device="cuda").engine
+    with emulated_cuda(capability=(9, 0)) as stats:
+        engine = LLM(model=str(tiny_dir("base")), device="cuda", dtype=dtype).engine
+        moe_layers = sum(1 for m in engine.runner.model.modules() if type(m).__name__ == "MoE")
         for rid, prompt in enumerate(PROMPTS):
             engine.add_request(str(rid), prompt, params)
         counts: list[int] = []
@@ -90,10 +121,10 @@ def test_decode_step_copies_to_host_once(tiny_dir):
             before = stats.device_to_host
             engine.step()
             counts.append(stats.device_to_host - before)
-    # Step 1 prefills all three prompts (one copy per KDA layer for the chunk layout, one for the tokens); steps 2-9
-    # decode all three.
-    assert len(counts) == 9 and counts[0] > 1
-    assert counts[1:] == [1] * 8, counts
+    # Step 1 prefills all three prompts; steps 2-9 decode all three.
+    assert len(counts) == 9 and counts[0] > 1 and moe_layers > 0
+    expected = 1 if dtype == "bfloat16" else 1 + 2 * moe_layers
+    assert counts[1:] == [expected] * 8, counts
 
 
 def test_bench_offline_on_emulated_h200(tiny_dir):

@@ -35,8 +35,11 @@ def _gather_context(kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor
     # On the 2-D view [num_blocks, block_size * width]: 0.54 vs 1.23 ms for 608 blocks on an idle CPU (one run).
     rows = kv_cache.view(kv_cache.shape[0], -1).index_select(0, table).view(num_seqs, num_blocks * block_size, width)
     pos = torch.arange(num_blocks * block_size, device=kv_cache.device)
-    invalid = (pos[None, :] >= context_lens[:, None]).reshape(-1).nonzero().squeeze(1)  # host sync
-    rows.view(-1, width).index_fill_(0, invalid, 0)
+    invalid = pos[None, :] >= context_lens[:, None]  # [N, P]
+    if rows.is_cuda:  # nonzero() reads its count back to the host: a stream sync per layer
+        rows.masked_fill_(invalid[..., None], 0)
+    else:
+        rows.view(-1, width).index_fill_(0, invalid.reshape(-1).nonzero().squeeze(1), 0)
     return rows[:, :num_positions]
 
 

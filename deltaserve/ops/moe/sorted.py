@@ -3,10 +3,11 @@ projection (`torch.nn.functional.grouped_mm`, each expert's rows times its weigh
 activation and one weighted scatter-add finish the layer.
 
 A fast path beside `ref.moe_experts` (same contract, parity-tested: bit-identical on the CPU). The reference
-gathers, activates and scatters per expert and needs the rows per expert on the host; here the group offsets stay
-on the device, so a MoE layer makes no device-to-host copy (no stream sync on a GPU) and launches a fixed number of
-kernels whatever the routing. It computes only the T * k rows needed (no padded [E, m, d] batch: group-limited
-top-k routing is rarely balanced).
+gathers, activates and scatters per expert and needs the rows per expert on the host; here the group offsets are
+computed and kept on the device. On a GPU that makes a MoE layer sync-free with a fixed number of kernels only where
+torch's grouped GEMM has its fast kernel (bf16 on sm90 / sm100, e.g. an H200); elsewhere (fp32, other GPUs) torch
+falls back to one matmul per expert after copying the offsets to the host (one sync per call, as the reference).
+It computes only the T * k rows needed (no padded [E, m, d] batch: group-limited top-k routing is rarely balanced).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def supports(dtype: torch.dtype) -> bool:
+    """Whether activations of `dtype` can take this path."""
     return dtype in DTYPES
 
 
@@ -29,10 +31,11 @@ def moe_experts_sorted(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
     """Same contract as `ref.moe_experts` (SiLU-GLU, dense weights): x [T, d], w13 [E, 2I, d], w2 [E, d, I],
     weights/ids [T, k] -> [T, d]."""
     top_k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order inside
+    experts, order = torch.sort(topk_ids.reshape(-1).long(), stable=True)  # pairs by expert, token order inside
     token = order // top_k
-    ends = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)  # end row of each expert
+    # The end row of each expert's group. Not bincount: on CUDA it reads min / max back to the host (a sync).
+    ends = torch.searchsorted(experts, torch.arange(w13.shape[0], device=experts.device), right=True)
+    ends = ends.to(torch.int32)
     xs = x.index_select(0, token)  # [P, d]
     # w.transpose(-2, -1) is the column-major [E, in, out] operand the grouped GEMM kernels want (no copy).
     hidden = silu_and_mul(F.grouped_mm(xs, w13.transpose(-2, -1), offs=ends))
