@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
 INT64_MAX = 2**63 - 1
+"""Largest integer a field may hold: every one travels to the engine process and into int64 tensors."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily."""
 
@@ -98,7 +100,7 @@ class SamplingParams:
     def _check_floats(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="checkpoint directory (default: the embedded model, deltaserve/default_model)")
     gen.add_argument("--prompt", required=True, help="prompt text")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (or below 1e-5) is greedy (default: 0)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -73,8 +73,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
 
     Order (vLLM v1): stop tokens masked for rows below ``min_tokens``; the grammar bitmask of constrained rows
     (should the two leave a row nothing, the grammar alone wins); repetition, frequency and presence penalties;
-    greedy rows (temperature 0) take the argmax; the others divide by their temperature, apply min-p and top-k, then
-    top-p, and sample by exponential race. A seeded row's token depends only on its own logits row and generator.
+    greedy rows (temperature below 1e-5) take the argmax; the others divide by their temperature, apply min-p and
+    top-k, then top-p, and sample by exponential race. A seeded row's token depends only on its own logits row and
+    generator.
 
     Args:
         logits: ``[N, V]`` fp32; row i belongs to ``rows[i]``. Not modified.

@@ -72,6 +72,7 @@ def test_emulator_counts_syncs_inside_kernels():
 
 @pytest.mark.parametrize("variant", ["base", "k3", "odd-sizes"])
 def test_engine_on_emulated_cuda_equals_cpu(tiny_dir, variant):
+    """Greedy tokens on the emulated device (chunked prefill) equal the CPU run, for three checkpoint shapes."""
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     cpu = [o.outputs[0].token_ids for o in LLM(model=str(tiny_dir(variant))).generate(PROMPTS, params)]
     with emulated_cuda():

@@ -24,6 +24,7 @@ def _alive(server) -> None:
     ({"stop_token_ids": [2**64]}, "stop_token_ids"),
 ])
 def test_integers_beyond_64_bits_are_rejected(server, extra, param):
+    """Integers past int64 (or a seed past uint64) are a 400 naming the field; the engine stays up."""
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 1.0, **extra}
     _openai_error(_post(server, COMPLETIONS, body), 400, param)
     _alive(server)
@@ -37,6 +38,7 @@ def test_large_in_range_integers_are_served(server):
 
 
 def test_json_constants_and_tiny_temperature(server):
+    """NaN / Infinity literals are malformed JSON; a temperature below 1e-5 samples greedily."""
     raw = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": NaN}'
     err = _openai_error(_post(server, COMPLETIONS, raw=raw), 400)
     assert "NaN" in err["message"]
@@ -55,19 +57,32 @@ def test_json_constants_and_tiny_temperature(server):
     ("/v1/messages", {"model": "tiny", "max_tokens": 2, "system": "\ud800", "messages": USER}),
 ])
 def test_lone_surrogates_are_rejected(server, path, body):
+    """A lone surrogate written as an escape, in a prompt, a message, a stop string or a system prompt: 400."""
     resp = _post(server, path, body)  # json.dumps writes them as \ud800 escapes
     assert resp.status_code == 400, resp.text
     assert "surrogate" in resp.text
     _alive(server)
 
 
+def test_surrogates_and_non_utf8_as_raw_bytes_are_rejected(server):
+    """json.loads(bytes) would decode UTF-8-encoded surrogates (b"\\xed\\xa0\\x80") with surrogatepass: the body
+    is decoded strictly first."""
+    for raw in (b'{"model": "tiny", "prompt": "a\xed\xa0\x80b", "max_tokens": 2}',
+                b'{"model": "tiny", "prompt": "\xff", "max_tokens": 2}'):
+        err = _openai_error(_post(server, COMPLETIONS, raw=raw), 400)
+        assert err["code"] == "invalid_json" and "UTF-8" in err["message"]
+    _alive(server)
+
+
 def test_surrogate_pairs_are_text(server):
+    """An escaped surrogate pair is one character, accepted."""
     resp = _post(server, CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "hi \U0001F600"}],
                                 "max_tokens": 2})  # sent as the pair \ud83d\ude00
     assert resp.status_code == 200, resp.text
 
 
 def test_deep_nesting_is_rejected(server):
+    """Bodies nested past MAX_JSON_DEPTH are a 400, in any field and in a tool schema."""
     deep = b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     _openai_error(_post(server, COMPLETIONS, raw=deep), 400)
     # A tool schema 600 levels deep (once a RecursionError in rendering), written out: json.dumps would recurse too.
@@ -84,6 +99,7 @@ BAD_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type"
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_call_with_a_bad_schema_is_a_400(server, stream):
+    """A forced tool call whose schema cannot compile is a 400 before any stream starts (OpenAI and Anthropic)."""
     body = {"model": "tiny", "messages": USER, "max_tokens": 8, "tools": BAD_TOOL, "tool_choice": "required",
             "stream": stream}
     _openai_error(_post(server, CHAT, body), 400, "tools[0]")
@@ -94,7 +110,17 @@ def test_forced_tool_call_with_a_bad_schema_is_a_400(server, stream):
     _alive(server)
 
 
+def test_forcing_a_good_tool_beside_a_bad_one_is_served(server):
+    """Only the forced function is in the grammar, so another tool's bad schema does not matter (as with auto)."""
+    tools = [*BAD_TOOL, {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
+    body = {"model": "tiny", "messages": USER, "max_tokens": 8, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}
+    resp = _post(server, CHAT, body)
+    assert resp.status_code == 200, resp.text
+
+
 def test_unknown_routes_and_methods_get_error_bodies(server):
+    """404 and 405 answers carry OpenAI- or Anthropic-shaped error bodies."""
     resp = httpx.get(f"{server.url}{COMPLETIONS}", headers=server.headers())
     assert _openai_error(resp, 405)["type"] == "invalid_request_error"
     _openai_error(_post(server, "/v1/nope", {}), 404)
@@ -105,7 +131,7 @@ def test_unknown_routes_and_methods_get_error_bodies(server):
 def test_requests_that_can_never_fit_are_400_not_503(tiny_dir, tmp_path):
     """On a server with a 256-token KV cache and room for 3 sequences: a request whose KV cannot fit, streaming or
     not, and a request for more sequences than the server ever holds, are 400 (not 503 'retry later', and not a
-    200 stream carrying the error)."""
+    200 stream carrying the error); without max_tokens a request generates until the cache is full."""
     small = start_server(tiny_dir("base"), tmp_path, "--num-blocks", "16", "--max-num-seqs", "2",
                          "--max-queued-requests", "1", "--max-n", "8")
     try:
@@ -114,6 +140,13 @@ def test_requests_that_can_never_fit_are_400_not_503(tiny_dir, tmp_path):
             err = _openai_error(_post(small, COMPLETIONS, body), 400, "max_tokens")
             assert "KV cache" in err["message"]
         _openai_error(_post(small, COMPLETIONS, {"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 4}), 400, "n")
+        # Without max_tokens the default stops where the cache is full (the context would allow far more).
+        free = _post(small, CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "word " * 50}],
+                                   "ignore_eos": True})
+        usage = free.json()["usage"]
+        assert usage["completion_tokens"] == 256 + 1 - usage["prompt_tokens"], free.text
+        _openai_error(_post(small, CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "word " * 150}]}),
+                      400, "messages")
         ok = _post(small, COMPLETIONS, {"model": "tiny", "prompt": [7] * 200, "max_tokens": 50})
         assert ok.status_code == 200, ok.text
     finally:

@@ -106,7 +106,7 @@ class MessagesPlan:
         if choice == "required" or forced is not None:
             parallel = not (tc is not None and tc.disable_parallel_tool_use)
             structured = fmt.tool_call_grammar(tools, name=forced, parallel=parallel, thinking=self.thinking)
-            frontend.validate_tool_grammar(tools, structured, param="tools")
+            frontend.validate_tool_grammar(tools, structured, param="tools", name=forced)
         elif body.output_config is not None and body.output_config.format is not None:
             answer = StructuredOutput("json_schema", json.dumps(body.output_config.format.schema_))
             frontend.validate_structured(answer, param="output_config.format")

@@ -91,7 +91,7 @@ class ChatPlan:
         if choice == "required" or forced is not None:
             structured = fmt.tool_call_grammar(tools, name=forced, parallel=body.parallel_tool_calls,
                                                thinking=thinking)
-            frontend.validate_tool_grammar(tools, structured, param="tools")
+            frontend.validate_tool_grammar(tools, structured, param="tools", name=forced)
         else:
             answer = _response_format(body)
             if answer is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +29,7 @@ from deltaserve.entrypoints.openai.completions import completion, completion_str
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from deltaserve.entrypoints.server.errors import ApiError, validation_message
 from deltaserve.entrypoints.server.frontend import Frontend
+from deltaserve.entrypoints.server.json_body import parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -55,47 +55,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    if _nesting_exceeds(data, MAX_JSON_DEPTH):
-        # Tool schemas and messages are walked recursively downstream (rendering, grammar compilation).
-        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
-    if (b"\\ud" in raw or b"\\uD" in raw) and _has_lone_surrogate(data):
-        raise ApiError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair), which is "
-                       "not valid Unicode text", code="invalid_json")
-    return data
-
-
-MAX_JSON_DEPTH = 128
-"""Deepest nesting of objects and arrays accepted in a request body."""
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _nesting_exceeds(data: Any, limit: int) -> bool:
-    stack = [(data, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return False
-
-
-def _has_lone_surrogate(data: Any) -> bool:
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+    return parse_json_object(b"".join(chunks))
 
 
 async def _until_disconnect(request: Request) -> None:

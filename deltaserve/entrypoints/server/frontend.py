@@ -144,13 +144,19 @@ class Frontend:
         except ValueError as exc:
             raise bad_request(str(exc), param=param, code="invalid_structured_output") from exc
 
-    def validate_tool_grammar(self, tools: Sequence[ToolSpec], grammar: StructuredOutput, *, param: str) -> None:
-        """400 naming the tool whose parameter schema cannot be compiled, for a request whose tool calls are
-        forced by a grammar (checked before queueing, so a streaming request gets it as an HTTP error)."""
-        for i, tool in enumerate(tools):
-            self.validate_structured(StructuredOutput("json_schema", json.dumps(tool.parameters)),
-                                     param=f"{param}[{i}]")
-        self.validate_structured(grammar, param=param)
+    def validate_tool_grammar(self, tools: Sequence[ToolSpec], grammar: StructuredOutput, *, param: str,
+                              name: str | None = None) -> None:
+        """400 for a forced tool call whose grammar cannot be compiled, naming the tool whose parameter schema is
+        at fault (`name`: the one forced function, else every tool is in the grammar). Checked before queueing,
+        so that a streaming request gets it as an HTTP error."""
+        try:
+            self.structured_backend.validate(grammar)
+        except ValueError as exc:
+            for i, tool in enumerate(tools):
+                if name is None or tool.name == name:
+                    self.validate_structured(StructuredOutput("json_schema", json.dumps(tool.parameters)),
+                                             param=f"{param}[{i}]")
+            raise bad_request(str(exc), param=param, code="invalid_structured_output") from exc
 
     def check_capacity(self, n: int) -> None:
         """503 with Retry-After when the engine's queue is full, 503 when the engine is gone."""
@@ -165,30 +171,34 @@ class Frontend:
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, *, param: str = "max_tokens",
                            prompt_param: str = "messages") -> int:
-        """vLLM's rule: default to the rest of the context; 400 when the prompt or prompt + requested is too long."""
+        """vLLM's rule: default to the rest of the context (here: and of the KV cache); 400 when the prompt or
+        prompt + requested is too long for either."""
         room = self.max_model_len - prompt_len
         if room < 1:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                               f"prompt has {prompt_len} tokens (room for at least one generated token is needed).",
                               param=prompt_param,
                               code="context_length_exceeded")
-        if requested is not None and requested < 1:
+        # The engine refuses a request whose KV could never fit its cache (its last token's KV is never cached);
+        # checked here too, so that a streaming request gets the 400 before its event stream starts.
+        cache_tokens = self.client.info.num_blocks * self.client.info.block_size
+        if requested is None:  # the default stops where the context or the cache is full
+            if prompt_len > cache_tokens:
+                raise bad_request(f"the prompt has {prompt_len} tokens but the server's KV cache holds "
+                                  f"{cache_tokens}", param=prompt_param, code="context_length_exceeded")
+            return min(room, cache_tokens + 1 - prompt_len)
+        if requested < 1:
             raise bad_request(f"{param} must be at least 1, got {requested}", param=param)
-        if requested is not None and requested > room:
+        if requested > room:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                               f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
                               f"for the completion). Please reduce the prompt or {param}.", param=param,
                               code="context_length_exceeded")
-        max_tokens = room if requested is None else requested
-        # The engine refuses a request whose KV could never fit its cache; checked here too, so that a streaming
-        # request gets the 400 before its event stream starts. Its last token's KV is never cached.
-        info = self.client.info
-        need = prompt_len + max_tokens - 1
-        if -(-need // info.block_size) > info.num_blocks:
-            raise bad_request(f"the request needs up to {need} tokens of KV cache but the server's cache holds "
-                              f"{info.num_blocks * info.block_size}: lower {param} or the prompt", param=param,
+        if prompt_len + requested - 1 > cache_tokens:
+            raise bad_request(f"the request needs up to {prompt_len + requested - 1} tokens of KV cache but the "
+                              f"server's cache holds {cache_tokens}: lower {param} or the prompt", param=param,
                               code="context_length_exceeded")
-        return max_tokens
+        return requested
 
     def check_prompt_ids(self, ids: Sequence[int], *, param: str = "prompt") -> list[int]:
         vocab = self.client.info.vocab_size

@@ -1,0 +1,65 @@
+"""`parse_json_object`: a request body's bytes to a JSON object, refusing what the rest of the server cannot take.
+
+Refused with a 400 `invalid_json` error: bytes that are not UTF-8 (which includes UTF-8-encoded lone surrogates),
+malformed JSON, the non-standard NaN / Infinity literals (every float must be finite downstream), a top level that
+is not an object, nesting deeper than `MAX_JSON_DEPTH` (tool schemas and messages are walked recursively when a
+prompt is rendered and a grammar compiled), and lone UTF-16 surrogates written as escapes (tokenizers and msgpack
+reject them).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from deltaserve.entrypoints.server.errors import ApiError
+
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of objects and arrays accepted in a request body."""
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a dict; ApiError(400, code='invalid_json') for anything listed in the module docstring."""
+    try:
+        text = raw.decode("utf-8-sig")  # strict: encoded surrogates are errors too
+    except UnicodeDecodeError as exc:
+        raise _invalid(f"the request body is not UTF-8: {exc}") from exc
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise _invalid(f"malformed JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise _invalid("the request body must be a JSON object")
+    if _nesting_exceeds(data, MAX_JSON_DEPTH):
+        raise _invalid(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    if ("\\ud" in text or "\\uD" in text) and _has_lone_surrogate(data):  # only escapes can still hold one
+        raise _invalid("the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff not in a pair), which is not "
+                       "valid Unicode text")
+    return data
+
+
+def _invalid(message: str) -> ApiError:
+    return ApiError(400, message, code="invalid_json")
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _nesting_exceeds(data: Any, limit: int) -> bool:
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
