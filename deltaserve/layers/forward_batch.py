@@ -20,6 +20,8 @@ class ForwardBatch:
 
     cu_seqlens: torch.Tensor
     """[N + 1] int64 offsets of each sequence's new tokens."""
+    cu_seqlens_host: tuple[int, ...]
+    """The same offsets on the host, for ops that plan on the CPU (a device read is a stream sync on a GPU)."""
     context_lens: torch.Tensor
     """[N] int64 tokens per sequence after this step (already cached + new)."""
     num_decodes: int
@@ -42,6 +44,11 @@ class ForwardBatch:
         """[P + 1] offsets of the prefill sequences, relative to the first prefill row."""
         cu = self.cu_seqlens[self.num_decodes :]
         return cu - cu[0]
+
+    def prefill_cu_seqlens_host(self) -> list[int]:
+        """`prefill_cu_seqlens` on the host."""
+        cu = self.cu_seqlens_host[self.num_decodes :]
+        return [x - cu[0] for x in cu]
 
 
 @dataclass(frozen=True, slots=True)

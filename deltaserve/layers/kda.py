@@ -91,7 +91,8 @@ class KDAttention(nn.Module):
         if nd < t:
             o, ckpts = kda_prefill(
                 q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cache.state, batch.state_indices[nd:],
-                batch.prefill_cu_seqlens(), checkpoint_positions=batch.checkpoint_positions, chunk_size=PREFILL_CHUNK,
+                batch.prefill_cu_seqlens_host(), checkpoint_positions=batch.checkpoint_positions,
+                chunk_size=PREFILL_CHUNK,
             )
             outs.append(o)
             if saving:
@@ -105,7 +106,7 @@ class KDAttention(nn.Module):
     def _save_checkpoints(self, batch: ForwardBatch, cache: KDALayerCache, pre_conv: torch.Tensor,
                           start_windows: torch.Tensor, states: list[torch.Tensor]) -> None:
         """Write the recurrent state and conv window after each checkpoint position into its slot."""
-        cu = batch.prefill_cu_seqlens().tolist()
+        cu = batch.prefill_cu_seqlens_host()
         width = self.cfg.conv_kernel_size - 1
         for i, (positions, slots) in enumerate(zip(batch.checkpoint_positions, batch.checkpoint_slots, strict=True)):
             if not positions:

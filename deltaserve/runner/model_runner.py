@@ -128,6 +128,7 @@ class ModelRunner:
         consecutive = decode_slots and decode_slots == list(range(decode_slots[0], decode_slots[0] + num_decodes))
         batch = ForwardBatch(
             cu_seqlens=cu.to(dev),
+            cu_seqlens_host=tuple(cu.tolist()),
             context_lens=(computed + lens).to(dev),
             num_decodes=num_decodes,
             decode_slot_range=slice(decode_slots[0], decode_slots[0] + num_decodes) if consecutive else None,

@@ -34,7 +34,8 @@ def k3_kda(dtype: torch.dtype, fp32_params: bool, seed: int = 0) -> KDAttention:
 
 
 def batch(num_tokens: int, decode: bool) -> ForwardBatch:
-    return ForwardBatch(cu_seqlens=torch.tensor([0, num_tokens]), context_lens=torch.tensor([num_tokens]),
+    return ForwardBatch(cu_seqlens=torch.tensor([0, num_tokens]), cu_seqlens_host=(0, num_tokens),
+                        context_lens=torch.tensor([num_tokens]),
                         num_decodes=int(decode), state_indices=torch.tensor([1]),
                         block_tables=torch.zeros(1, 1, dtype=torch.long), slot_mapping=torch.zeros(num_tokens))
 

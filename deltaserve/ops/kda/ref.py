@@ -90,29 +90,33 @@ def kda_decode(
 
 class _Layout(NamedTuple):
     """Chunks of all sequences in step-major order: step ``t`` holds chunk ``t`` of every sequence that has one, in
-    rank order (sequences sorted by chunk count, descending), so the live states at step ``t`` are a prefix."""
+    rank order (sequences sorted by chunk count, descending), so the live states at step ``t`` are a prefix.
+
+    Built from the host-side offsets: nothing is read back from the device (each read is a stream sync on a GPU)."""
 
     order: Tensor  # [N] sequence of each rank
-    rank: Tensor  # [N] rank of each sequence
+    rank: list[int]  # [N] rank of each sequence
     offs: list[int]  # [steps + 1] first chunk id of each step
     cid: Tensor  # [T] chunk id of each token
     pos: Tensor  # [T] position of each token in its chunk
 
 
-def _layout(cu_seqlens: Tensor, C: int, device: torch.device) -> _Layout:
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    N = cu.numel() - 1
-    lens = cu[1:] - cu[:-1]
-    nch = (lens + C - 1) // C
-    order = torch.argsort(nch, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(N, device=device)
-    steps = int(nch.max()) if N else 0
-    live = (nch.unsqueeze(0) > torch.arange(steps, device=device).unsqueeze(1)).sum(1)  # [steps] sequences per step
-    offs = torch.cat((live.new_zeros(1), live.cumsum(0)))
-    seq = torch.repeat_interleave(torch.arange(N, device=device), lens)
-    p = torch.arange(seq.numel(), device=device) - cu[seq]
-    return _Layout(order, rank, offs.tolist(), offs[p // C] + rank[seq], p % C)
+def _layout(cu: list[int], C: int, device: torch.device) -> _Layout:
+    N, T = len(cu) - 1, cu[-1]
+    lens = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+    nch = [-(-n // C) for n in lens]
+    order = sorted(range(N), key=lambda i: -nch[i])  # stable: ties keep sequence order
+    rank = [0] * N
+    for r, i in enumerate(order):
+        rank[i] = r
+    live = [sum(1 for n in nch if n > t) for t in range(max(nch, default=0))]  # sequences with a chunk at step t
+    offs = [0]
+    for count in live:
+        offs.append(offs[-1] + count)
+    seq = torch.repeat_interleave(torch.arange(N, device=device), torch.tensor(lens, device=device), output_size=T)
+    p = torch.arange(T, device=device) - torch.tensor(cu[:-1], dtype=torch.int64, device=device)[seq]
+    offs_t, rank_t = torch.tensor(offs, device=device), torch.tensor(rank, device=device)
+    return _Layout(torch.tensor(order, device=device), rank, offs, offs_t[p // C] + rank_t[seq], p % C)
 
 
 def _to_chunks(x: Tensor, lay: _Layout, C: int) -> Tensor:
@@ -183,23 +187,31 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, G: Tensor, beta: Tensor) -> _Intra:
     return _Intra(A, U, W, q * eG, k * (G_C - G).to(q.dtype).exp(), eG[:, :, -1])
 
 
-def _plan_checkpoints(
-    positions: Sequence[Sequence[int]], cu_seqlens: Tensor, lay: _Layout, C: int
-) -> tuple[Tensor, Tensor, list[int]]:
-    """Chunk id and in-chunk length ``j`` (1..C) of every requested checkpoint, flattened in sequence order."""
-    device = lay.cid.device
-    counts = [len(p) for p in positions]
-    if len(counts) != lay.rank.numel():
+class _CheckpointPlan(NamedTuple):
+    """Where the requested checkpoints fall: chunk id and in-chunk length ``j`` (1..C), flattened in sequence order,
+    on the host (to select them per unit without a device read) and on the device (to gather with)."""
+
+    cid: list[int]
+    cid_t: Tensor
+    j_t: Tensor
+    counts: list[int]  # checkpoints per sequence
+
+
+def _plan_checkpoints(positions: Sequence[Sequence[int]], cu: list[int], lay: _Layout, C: int,
+                      device: torch.device) -> _CheckpointPlan:
+    if len(positions) != len(lay.rank):
         raise ValueError("checkpoint_positions needs one list per sequence")
-    p = torch.tensor([x for ps in positions for x in ps], dtype=torch.int64, device=device)
-    seq = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    ordered = (p[1:] >= p[:-1]) | (seq[1:] != seq[:-1])
-    if bool((p < 1).any() | (p > cu[seq + 1] - cu[seq]).any() | ~ordered.all()):
-        raise ValueError("checkpoint positions must be sorted and within 1..len of their sequence")
-    t = (p - 1) // C
-    offs = torch.tensor(lay.offs, device=device)
-    return offs[t] + lay.rank[seq], p - t * C, counts
+    cid, j = [], []
+    for i, ps in enumerate(positions):
+        length, previous = cu[i + 1] - cu[i], 1
+        for p in ps:
+            if not previous <= p <= length:
+                raise ValueError("checkpoint positions must be sorted and within 1..len of their sequence")
+            previous, t = p, (p - 1) // C
+            cid.append(lay.offs[t] + lay.rank[i])
+            j.append(p - t * C)
+    return _CheckpointPlan(cid, torch.tensor(cid, dtype=torch.int64, device=device),
+                           torch.tensor(j, dtype=torch.int64, device=device), [len(ps) for ps in positions])
 
 
 def _units(offs: list[int], g0: int, g1: int) -> Iterator[tuple[int, int, int]]:
@@ -212,7 +224,7 @@ def _units(offs: list[int], g0: int, g1: int) -> Iterator[tuple[int, int, int]]:
 
 def _checkpoints_in(
     out: Tensor,
-    plan: tuple[Tensor, Tensor, list[int]],
+    plan: _CheckpointPlan,
     lo: int,
     hi: int,
     G: Tensor,
@@ -222,13 +234,14 @@ def _checkpoints_in(
 ) -> None:
     """Write into ``out`` the checkpoints inside chunks ``lo:hi``, whose entering states are ``S_in`` and
     pseudo-values ``Vp``: ``S_j = Diag(exp(G_j)) S_in + (K[:j] * exp(G_j - G[:j]))^T V'[:j]`` (spec §3.7, exact)."""
-    cid, j, _ = plan
-    sel = ((cid >= lo) & (cid < hi)).nonzero().squeeze(1)
-    if sel.numel() == 0:
+    picked = [k for k, c in enumerate(plan.cid) if lo <= c < hi]
+    if not picked:
         return
-    c, jj, rr = cid[sel], j[sel], cid[sel] - lo
+    sel = torch.tensor(picked, device=G.device)
+    c, jj = plan.cid_t[sel], plan.j_t[sel]
+    rr = c - lo
     Gc = G[c]  # [P, H, C, K]
-    Gj = Gc[torch.arange(sel.numel(), device=G.device), :, jj - 1]  # [P, H, K]
+    Gj = Gc[torch.arange(len(picked), device=G.device), :, jj - 1]  # [P, H, K]
     keep = (torch.arange(G.shape[2], device=G.device) < jj.unsqueeze(1))[:, None, :, None]  # [P, 1, C, 1]
     kd = kc[c] * (Gj.unsqueeze(2) - Gc).masked_fill(~keep, -torch.inf).to(kc.dtype).exp()
     out[sel] = Gj.to(kc.dtype).exp().unsqueeze(-1) * S_in[rr] + kd.transpose(-1, -2) @ Vp[rr]
@@ -242,7 +255,7 @@ def kda_prefill(
     beta: Tensor,
     state_pool: Tensor,
     state_indices: Tensor,
-    cu_seqlens: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
     checkpoint_positions: Sequence[Sequence[int]] | None = None,
     chunk_size: int = 64,
 ) -> tuple[Tensor, list[Tensor]]:
@@ -257,7 +270,8 @@ def kda_prefill(
             Sequence ``i`` starts from ``state_pool[state_indices[i]]`` (the caller zeroes fresh slots) and its final
             state is written back there **in place**; other slots are untouched. Indices must be distinct.
         state_indices: ``[N]`` int64 slots.
-        cu_seqlens: ``[N + 1]`` int64; sequence ``i`` is rows ``cu_seqlens[i]:cu_seqlens[i + 1]`` (length 0 allowed).
+        cu_seqlens: ``[N + 1]`` offsets, a host sequence or an int64 tensor; sequence ``i`` is rows
+            ``cu_seqlens[i]:cu_seqlens[i + 1]`` (length 0 allowed).
         checkpoint_positions: per sequence a sorted list of positions ``1 <= p <= len_i``; the state after the first
             ``p`` tokens of that sequence in this call is returned (exact, at any position, not only chunk ends).
         chunk_size: chunk length ``C``.
@@ -269,8 +283,10 @@ def kda_prefill(
     """
     cdt = _compute_dtype(q, state_pool)
     C, (H, K), V = chunk_size, k.shape[1:], v.shape[-1]
-    lay = _layout(cu_seqlens, C, q.device)
-    N, NC = lay.rank.numel(), lay.offs[-1]
+    # Host offsets: a device tensor is read back once here (a sync on a GPU); callers that have them pass a list.
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+    lay = _layout(cu, C, q.device)
+    N, NC = len(lay.rank), lay.offs[-1]
     qn, kn = _qk_norm(q, k, cdt)
     qc, kc, vc, gc, bc = (_to_chunks(x.to(cdt), lay, C) for x in (qn, kn, v, g, beta))
     # fp64 cumulative log-decay: exponents are differences G_r - G_i of values that reach -C*|g| (-320 at the K3
@@ -279,8 +295,8 @@ def kda_prefill(
     slots = state_indices.to(device=q.device, dtype=torch.int64)[lay.order]
     S = state_pool.index_select(0, slots).to(cdt)  # [N, H, K, V] in rank order
     O = qc.new_empty(NC, H, C, V)  # every chunk is written by exactly one unit
-    plan = _plan_checkpoints(checkpoint_positions, cu_seqlens, lay, C) if checkpoint_positions else None
-    cps = qc.new_zeros(sum(plan[2]) if plan else 0, H, K, V)
+    plan = _plan_checkpoints(checkpoint_positions, cu, lay, C, q.device) if checkpoint_positions else None
+    cps = qc.new_zeros(sum(plan.counts) if plan else 0, H, K, V)
     group = max(1, _GROUP_ELEMS // (2 * H * C * max(C, K)))  # chunks per intra group
     # The intra-chunk part is state-independent: computed for a whole group of chunks at once; the state recurrence
     # then walks the group's chunks step by step (all live sequences of a step together).
@@ -297,6 +313,6 @@ def kda_prefill(
             S[s] = it.decay[r].unsqueeze(-1) * S_in + it.Kd[r].transpose(-1, -2) @ Vp
     state_pool.index_copy_(0, slots, S.to(state_pool.dtype))
     cps = cps.to(state_pool.dtype)
-    ckpts = list(cps.split(plan[2])) if plan else [cps.new_zeros(0, H, K, V) for _ in range(N)]
+    ckpts = list(cps.split(plan.counts)) if plan else [cps.new_zeros(0, H, K, V) for _ in range(N)]
     out = O.transpose(1, 2).reshape(NC * C, H, V).index_select(0, lay.cid * C + lay.pos)  # back to packed tokens
     return out.to(q.dtype), ckpts
