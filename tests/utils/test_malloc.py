@@ -41,5 +41,7 @@ def test_kept_memory_is_not_faulted_in_again():
     if not keep_freed_memory():
         pytest.skip("not glibc")
     default, kept = _faults("default"), _faults("keep")
-    assert default > 10_000  # glibc's defaults trim the heap after each round: the pattern is worth fixing
+    # glibc's defaults trim the heap after each round: the pattern is worth fixing. (79,680 faults alone on the
+    # session-6 machine, but once 7,170 late in a full test run: the count depends on the machine's state.)
+    assert default > 5_000
     assert kept < default / 20
