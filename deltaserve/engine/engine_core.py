@@ -103,8 +103,9 @@ class EngineCore:
                                   num_slots=layout.num_slots + num_ckpt)
         self.stats = StepStats()
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
-        self._in_step: tuple[list[EngineCoreOutput], list[str]] | None = None
         """Called after every step with what was scheduled and the step's seconds (benchmarks use it)."""
+        self._in_step: tuple[list[EngineCoreOutput], list[str]] | None = None
+        """During a step: the outputs it made before scheduling and the requests it held (see fail_unfinished)."""
         self.structured = StructuredOutputManager(
             config.structured_output_backend, lambda: Tokenizer.from_pretrained(config.model),
             self.model_config.vocab_size,
