@@ -130,6 +130,8 @@ class EngineCore:
         """Queue a request (n must be 1 here: the frontend fans n out). ValueError on bad input."""
         if params.n != 1:
             raise ValueError("EngineCore.add_request takes n=1 sampling params; fan out n in the frontend")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         self.validate_prompt(prompt_token_ids)
         if self.structured.is_pending(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")

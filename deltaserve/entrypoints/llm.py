@@ -81,13 +81,18 @@ class LLM:
 
         Returns one RequestOutput per prompt, in order, each with `params.n` outputs.
         """
+        if not isinstance(prompts, (str, list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got "
+                            f"{type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        # Everything is checked before any request is queued: a failure half-way would leave requests behind.
+        params_list = _broadcast(SamplingParams() if sampling_params is None else sampling_params, len(prompts))
+        priorities = _priorities(priority, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         for ids in encoded:
-            self.engine.validate_prompt(ids)  # all prompts checked before any is queued
-        results, live = self._add_all(prompts, encoded, params_list, priority)
+            self.engine.validate_prompt(ids)
+        results, live = self._add_all(prompts, encoded, params_list, priorities)
         start = time.perf_counter()
         try:
             self._run(live)
@@ -104,7 +109,9 @@ class LLM:
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        if not isinstance(prompt, (list, tuple)) or any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            raise TypeError(f"a prompt must be a string or a list of int token ids, got {prompt!r:.80}")
+        return list(prompt)
 
     def _add_all(self, prompts, encoded, params_list, priority) -> tuple[list[RequestOutput], dict[str, _Sequence]]:
         results: list[RequestOutput] = []
@@ -122,8 +129,7 @@ class LLM:
                     include_stop_str_in_output=child.include_stop_str_in_output, min_tokens=child.min_tokens,
                 )
                 try:
-                    self.engine.add_request(rid, ids, child, eos_token_ids=self.eos_token_ids,
-                                            priority=priority[i] if priority else 0)
+                    self.engine.add_request(rid, ids, child, eos_token_ids=self.eos_token_ids, priority=priority[i])
                 except BaseException:
                     for other in live:
                         self.engine.abort_request(other)
@@ -145,7 +151,10 @@ class LLM:
             if idle_steps > 10_000:
                 raise RuntimeError("the engine made no progress for 10,000 steps (see the watchdog log)")
             for ev in events:
-                seq = live[ev.request_id]
+                seq = live.get(ev.request_id)
+                if seq is None:  # left behind by an earlier call that failed half-way: not ours to report
+                    self.engine.abort_request(ev.request_id)
+                    continue
                 if not seq.output.token_ids and seq.output.index == 0:
                     seq.request.num_cached_tokens = ev.num_cached_tokens
                 seq.output.token_ids.extend(ev.new_token_ids)
@@ -167,6 +176,21 @@ class LLM:
 def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+    if not isinstance(params, (list, tuple)) or len(params) != n:
+        raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} (one per prompt), got "
+                         f"{params!r:.80}")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
     return list(params)
+
+
+def _priorities(priority: Sequence[int] | None, n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    if not isinstance(priority, (list, tuple)) or len(priority) != n:
+        raise ValueError(f"priority must be a list of {n} integers (one per prompt), got {priority!r:.80}")
+    for i, p in enumerate(priority):
+        if not isinstance(p, int) or isinstance(p, bool):
+            raise TypeError(f"priority[{i}] must be an integer, got {p!r}")
+    return list(priority)

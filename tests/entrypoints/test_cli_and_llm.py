@@ -92,6 +92,24 @@ def test_bad_prompts_raise_value_error(llm, prompt, needle):
         llm.generate([prompt], SamplingParams(max_tokens=4))
 
 
+@pytest.mark.parametrize("call, needle", [
+    (dict(sampling_params=[SamplingParams(max_tokens=50, ignore_eos=True), None]), r"sampling_params\[1\]"),
+    (dict(sampling_params=[SamplingParams(), {"max_tokens": 3}]), r"sampling_params\[1\]"),
+    (dict(priority=["x", 1]), r"priority\[0\]"),
+    (dict(priority=[1]), "priority"),
+    (dict(prompts=[[1.9, 2.2], [3]]), "token ids"),
+    (dict(prompts=b"hello"), "prompts"),
+])
+def test_bad_generate_arguments_leave_the_engine_clean(llm, call, needle):
+    """A bad sampling_params, priority or prompt list is refused before anything is queued (a request left in the
+    engine by a half-done call broke every later generate), and the LLM keeps working."""
+    args = {"prompts": [[5, 9], [7, 8]], **call}
+    with pytest.raises((ValueError, TypeError), match=needle):
+        llm.generate(args.pop("prompts"), **args)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([[5, 9]], SamplingParams(max_tokens=3))[0].outputs[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
