@@ -228,16 +228,20 @@ def test_moe_experts_sorted_path_matches_reference(num_tokens, dtype):
     assert torch.equal(ref, dispatch.moe_experts(x, w13, w2, weights, ids))
 
 
-def test_moe_experts_fp64_runs_the_reference():
-    """grouped_mm has no fp64 kernel: fp64 (the tests' high-precision runs) keeps the reference loop."""
+@pytest.mark.parametrize("dtype, d, i", [(torch.float64, 40, 24), (torch.float32, 63, 24), (torch.float32, 40, 25)],
+                         ids=["fp64", "odd-hidden", "odd-intermediate"])
+def test_moe_experts_without_a_grouped_kernel_run_the_reference(dtype, d, i):
+    """grouped_mm has no fp64 kernel and needs 16-byte rows: fp64 (the tests' high-precision runs) and odd sizes
+    keep the reference loop."""
     from deltaserve.ops import moe as dispatch
     from deltaserve.ops.moe import sorted as sorted_path
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 40, generator=g, dtype=torch.float64)
-    w13 = torch.randn(8, 48, 40, generator=g, dtype=torch.float64)
-    w2 = torch.randn(8, 40, 24, generator=g, dtype=torch.float64)
+    x = torch.randn(6, d, generator=g, dtype=dtype)
+    w13 = torch.randn(8, 2 * i, d, generator=g, dtype=dtype)
+    w2 = torch.randn(8, d, i, generator=g, dtype=dtype)
     weights, ids = moe_route(torch.randn(6, 8, generator=g), None, top_k=2, num_expert_group=1, topk_group=1,
                              renormalize=True, routed_scaling_factor=1.0)
-    assert not sorted_path.supports(torch.float64) and sorted_path.supports(torch.bfloat16)
+    assert not sorted_path.supports(x, w13, w2)
+    assert sorted_path.supports(x[:, :32].float(), w13[..., :32].float(), w2[..., :16].float())
     assert torch.equal(dispatch.moe_experts(x, w13, w2, weights, ids), moe_experts(x, w13, w2, weights, ids))

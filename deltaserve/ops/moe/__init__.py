@@ -17,9 +17,9 @@ def moe_experts(x: Tensor, w13: Any, w2: Any, topk_weights: Tensor, topk_ids: Te
                 act: Callable[[Tensor], Tensor] = silu_and_mul, linear: Callable[[Tensor, Any], Tensor] = F.linear,
                 fp32_combine: bool = False) -> Tensor:
     """Weighted sum of the chosen gated experts (contract: `ref.moe_experts`). Dense SiLU-GLU experts in fp32 /
-    bf16 / fp16 take the sorted grouped-GEMM path; other activations, weight formats (MXFP4), the fp32 combine and
-    fp64 run the reference loop."""
-    if act is silu_and_mul and linear is F.linear and not fp32_combine and sorted.supports(x.dtype):
+    bf16 / fp16 with 16-byte aligned rows take the sorted grouped-GEMM path; other activations, weight formats
+    (MXFP4), the fp32 combine, fp64 and odd sizes run the reference loop."""
+    if act is silu_and_mul and linear is F.linear and not fp32_combine and sorted.supports(x, w13, w2):
         return sorted.moe_experts_sorted(x, w13, w2, topk_weights, topk_ids)
     return ref.moe_experts(x, w13, w2, topk_weights, topk_ids, act=act, linear=linear, fp32_combine=fp32_combine)
 

@@ -22,9 +22,11 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What `grouped_mm` takes (not float64: tests in fp64 run the reference)."""
 
 
-def supports(dtype: torch.dtype) -> bool:
-    """Whether activations of `dtype` can take this path."""
-    return dtype in DTYPES
+def supports(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
+    """Whether these activations and expert weights can take this path: a dtype `grouped_mm` takes, and rows of
+    a multiple of 16 bytes in both GEMMs' inner dimension (hidden size and expert intermediate size), which its
+    kernels require."""
+    return x.dtype in DTYPES and all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, w13, w2))
 
 
 def moe_experts_sorted(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
