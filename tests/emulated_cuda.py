@@ -290,6 +290,8 @@ def emulated_cuda(free_bytes: int = 4 << 30, name: str = "emulated CUDA",
         # The C++ arg parser calls torch.cuda._lazy_init() for a "cuda" device; marked done, it returns.
         stack.enter_context(mock.patch.object(torch.cuda, "_initialized", True))
         stack.enter_context(mock.patch.object(torch.cuda, "mem_get_info", lambda device=None: (free_bytes, free_bytes)))
+        stack.enter_context(mock.patch.object(torch.cuda, "is_available", lambda: True))
+        stack.enter_context(mock.patch.object(torch.cuda, "device_count", lambda: 1))
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_name", lambda device=None: name))
         stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda device=None: None))
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: capability))

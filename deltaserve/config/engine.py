@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def parse_memory(text: str | int | float, available_bytes: int) -> int:
-    """'2GiB', '512MB', '1000000' (bytes) or a fraction in (0, 1] of `available_bytes` -> bytes."""
+def parse_memory(text: str | int | float, available_bytes: int, name: str = "cache_memory") -> int:
+    """'2GiB', '512MB', '1000000' (bytes) or a fraction in (0, 1] of `available_bytes` -> bytes. ValueError naming
+    the field `name` for anything else, zero included."""
     if isinstance(text, int | float) and not isinstance(text, bool):
         text = str(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cache_memory={text!r}: expected bytes ('2GiB', '512MB', '1000000') or a fraction like 0.5")
+    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{name}={text!r}: expected bytes ('2GiB', '512MB', '1000000') or a fraction like 0.5")
     value, unit = float(m.group(1)), m.group(2).upper()
     if not unit and value <= 1.0 and "." in m.group(1):
         return int(value * available_bytes)
@@ -57,6 +58,8 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        parse_memory(self.cache_memory, 1)  # the syntax, checked here rather than in the engine process
+        parse_memory(self.checkpoint_memory, 1, "checkpoint_memory")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -70,6 +70,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={config.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu" and not keep_freed_memory():  # steps reuse their temporaries (utils/malloc.py)
@@ -81,18 +83,24 @@ class EngineCore:
         device = next(model.parameters()).device
         cc = config.cache
         specs = model.cache_specs()
-        budget = parse_memory(cc.cache_memory, available_memory_bytes(device))
+        available = available_memory_bytes(device)
+        budget = parse_memory(cc.cache_memory, available)
         per_slot = sum(s.bytes_per_slot for s in specs if isinstance(s, StateCacheSpec))
         num_ckpt = 0
         if cc.enable_prefix_caching and per_slot:
             num_ckpt = cc.num_checkpoint_slots
             if num_ckpt is None:
-                num_ckpt = parse_memory(cc.checkpoint_memory, budget) // per_slot
+                num_ckpt = parse_memory(cc.checkpoint_memory, budget, "checkpoint_memory") // per_slot
             logger.info("prefix cache: %d state checkpoint slots (%.1f MiB)", num_ckpt, num_ckpt * per_slot / 2**20)
         layout = plan_cache(
             specs, budget_bytes=max(budget - num_ckpt * per_slot, 0), block_size=cc.block_size,
             max_num_seqs=config.scheduler.max_num_seqs, num_blocks=cc.num_blocks, num_slots=cc.num_state_slots,
         )
+        needed = layout.total_bytes + num_ckpt * per_slot
+        if needed > available:  # checked before allocating: a cache larger than memory takes the machine down
+            raise ValueError(f"the cache needs {needed / 2**30:.2f} GiB (cache_memory={cc.cache_memory!r}, "
+                             f"num_blocks={cc.num_blocks}, num_state_slots={cc.num_state_slots}) but only "
+                             f"{available / 2**30:.2f} GiB are free on {device}")
         self.cache = CacheManager(
             num_blocks=layout.num_blocks, num_slots=layout.num_slots, block_size=cc.block_size,
             num_checkpoint_slots=num_ckpt, bytes_per_slot=per_slot, enable_prefix_caching=cc.enable_prefix_caching,

@@ -9,6 +9,8 @@ import argparse
 import logging
 import sys
 
+from deltaserve.engine.client import EngineStartError
+
 
 def _generate(args: argparse.Namespace) -> int:
     import dataclasses
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError, EngineStartError) as exc:  # bad input or environment: one line, no traceback
         print(f"deltaserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -40,6 +40,19 @@ def test_generate_reports_bad_model_dir_cleanly(tmp_path):
     assert "config.json" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("args, needle", [
+    (("serve", "--cache-memory", "2XB"), "cache_memory='2XB'"),
+    (("serve", "--checkpoint-memory", "0"), "checkpoint_memory='0'"),
+    (("generate", "--prompt", "x", "--cache-memory", "1000GiB"), "GiB are free"),
+    (("make-tiny", "/etc/passwd"), "File exists"),
+])
+def test_bad_settings_are_one_line_errors(args, needle):
+    """Start-up settings that cannot work (a cache larger than memory included: allocating it would take the
+    machine down) are a one-line error and exit code 2, not a traceback."""
+    res = run_cli(*args)
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 def test_make_tiny_help_comes_from_field_docs():
     """CLI help text is generated from the TinySpec attribute docstrings."""
     res = run_cli("make-tiny", "--help")
