@@ -145,7 +145,10 @@ class KimiK2Parser(MarkerParser):
             self._state = _State.CONTENT
 
     def on_finish(self) -> None:
-        if self._state in (_State.HEADER, _State.ARGS, _State.BAD_CALL):
+        if self._state is _State.HEADER:  # cut off (max_tokens) inside a call header: tool markup, not content
+            self._header = ""
+            self._state = _State.SECTION
+        if self._state in (_State.ARGS, _State.BAD_CALL):
             self._end_call()
 
     def _start_arguments(self) -> None:

@@ -280,10 +280,15 @@ def test_truncated_arguments_are_kept_as_a_call(k2_tok: Tokenizer) -> None:
         assert_no_marker_text(streamed, MARKER_TEXT)
 
 
-def test_truncated_header_degrades_to_content(k2_tok: Tokenizer) -> None:
-    """Output cut inside a header: no call, the header text is flushed to content by finish()."""
+def test_truncated_header_is_dropped(k2_tok: Tokenizer) -> None:
+    """Output cut (max_tokens) inside a header: no call, and the header is tool markup, not content (it once leaked
+    as 'functions.get_weather:0' in the answer of a length finish)."""
     msg = parse_k2(k2_tok, "A", SB, call("functions.f:0", "{}"), CB, "functions.g")
-    assert msg == ParsedMessage(reasoning=None, content="Afunctions.g", tool_calls=(tc("functions.f:0", "f", "{}"),))
+    assert msg == ParsedMessage(reasoning=None, content="A", tool_calls=(tc("functions.f:0", "f", "{}"),))
+    ids = build(k2_tok, "A", SB, CB, "functions.get_weather:0")
+    for chunks in ([ids], one_by_one(ids)):
+        streamed = run(KimiK2Parser(k2_tok, thinking=False, tools=True), chunks)
+        assert streamed.content == "A" and not streamed.tool_calls()
 
 
 def test_missing_section_end(k2_tok: Tokenizer) -> None:
