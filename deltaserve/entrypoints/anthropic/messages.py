@@ -226,19 +226,29 @@ async def _events(frontend: Frontend, plan: MessagesPlan, message_id: str,
                     yield e
                 yield _event("content_block_delta", {"index": blocks.index,
                                                      "delta": {"type": "text_delta", "text": d.content}})
-            for call in d.tool_calls:
-                entry = acc.choices[0].calls[call.index]
-                start = {"type": "tool_use", "id": entry[0], "name": entry[1], "input": {}}
-                for e in blocks.switch(("tool_use", call.index), start):
-                    yield e
-                if call.arguments:
-                    yield _event("content_block_delta", {"index": blocks.index, "delta": {
-                        "type": "input_json_delta", "partial_json": call.arguments}})
+            # Tool calls are sent when the output ends (they end it in practice): only then is it known whether
+            # a call's arguments parse, and unparsable ones become text, as in the non-streamed message.
+        c = acc.choices[0]
+        calls = [(call, _tool_input(call.arguments)) for call in c.tool_calls]
+        broken = "".join(call.arguments for call, args in calls if args is None)
+        if broken:
+            for e in blocks.switch(("text", 1), {"type": "text", "text": ""}):
+                yield e
+            yield _event("content_block_delta", {"index": blocks.index, "delta": {"type": "text_delta",
+                                                                                   "text": broken}})
+        for i, (call, args) in enumerate(calls):
+            if args is None:
+                continue
+            for e in blocks.switch(("tool_use", i), {"type": "tool_use", "id": call.id, "name": call.name,
+                                                     "input": {}}):
+                yield e
+            yield _event("content_block_delta", {"index": blocks.index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(args, ensure_ascii=False)}})
         for e in blocks.close():
             yield e
-        c = acc.choices[0]
+        parsed = any(args is not None for _, args in calls)
         yield _event("message_delta", {
-            "delta": {"stop_reason": _stop_reason(c.finish_reason, c.stop_string, bool(c.calls)),
+            "delta": {"stop_reason": _stop_reason(c.finish_reason, c.stop_string, parsed),
                       "stop_sequence": c.stop_string},
             "usage": {"output_tokens": len(c.token_ids)}})
         yield _event("message_stop", {})
