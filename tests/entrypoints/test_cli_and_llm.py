@@ -126,7 +126,9 @@ def test_bad_generate_arguments_leave_the_engine_clean(llm, call, needle):
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-     ({"top_k": -2}, "top_k"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")],
+     ({"top_k": -2}, "top_k"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": None}, "stop"),
+     ({"stop_token_ids": 5}, "stop_token_ids"), ({"temperature": 10**400}, "temperature"),
+     ({"ignore_eos": "no"}, "ignore_eos"), ({"structured": "json"}, "structured"), ({"seed": 2**64}, "seed")],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
     """Invalid SamplingParams raise ValueError naming the field."""
