@@ -44,6 +44,13 @@ class HttpBenchArgs:
     result_file: str | None = None
     """Write the results as JSON here."""
 
+    def __post_init__(self) -> None:
+        from deltaserve.utils.cli_args import check_at_least_one
+
+        check_at_least_one(self, "num_requests", "input_len", "output_len")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
 
 def _summary(ttfts: list[float], total_s: float, n: int) -> dict[str, float]:
     ttfts = sorted(ttfts)

@@ -54,6 +54,11 @@ class OfflineBenchArgs:
     peak_bandwidth_gbs: float | None = None
     """Memory bandwidth ceiling in GB/s for the roofline (default: known figure for the GPU, else measured)."""
 
+    def __post_init__(self) -> None:
+        from deltaserve.utils.cli_args import check_at_least_one
+
+        check_at_least_one(self, "num_prompts", "input_len", "output_len", "max_num_batched_tokens")
+
 
 def random_prompts(vocab: int, num: int, length: int, seed: int) -> list[list[int]]:
     import torch

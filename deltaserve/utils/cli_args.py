@@ -55,3 +55,10 @@ def _parser_for(kind: type):
             return None if text.lower() in ("none", "null") else int(text)
         return parse_int
     return kind
+
+
+def check_at_least_one(args: Any, *names: str) -> None:
+    """ValueError naming the flag (`--num-prompts`) of the first field among `names` that is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -45,6 +45,8 @@ def test_generate_reports_bad_model_dir_cleanly(tmp_path):
     (("serve", "--checkpoint-memory", "0"), "checkpoint_memory='0'"),
     (("generate", "--prompt", "x", "--cache-memory", "1000GiB"), "GiB are free"),
     (("make-tiny", "/etc/passwd"), "File exists"),
+    (("bench", "offline", "--num-prompts", "0"), "--num-prompts must be >= 1"),
+    (("bench", "http", "--port", "99999"), "--port must be in 1..65535"),
 ])
 def test_bad_settings_are_one_line_errors(args, needle):
     """Start-up settings that cannot work (a cache larger than memory included: allocating it would take the
