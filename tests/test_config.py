@@ -94,3 +94,26 @@ def test_engine_device_is_validated(device):
     assert EngineConfig(model="m", device="cuda:1").device == "cuda:1"
     with pytest.raises(ValueError, match="device="):
         EngineConfig(model="m", device=device)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"watchdog_timeout_s": -1.0}, "watchdog_timeout_s"), ({"watchdog_timeout_s": float("nan")}, "watchdog_timeout_s"),
+])
+def test_scheduler_settings_are_validated(changes, needle):
+    """A watchdog that cannot fire sensibly (negative: every step; NaN: never) is refused."""
+    from deltaserve.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match=needle):
+        SchedulerConfig(**changes)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"cache_memory": "2XB"}, "cache_memory='2XB'"), ({"cache_memory": "0"}, "cache_memory='0'"),
+    ({"checkpoint_memory": "lots"}, "checkpoint_memory='lots'"),
+])
+def test_cache_memory_syntax_is_checked_in_the_config(changes, needle):
+    """Memory sizes are parsed when the config is made, not later in the engine process."""
+    from deltaserve.config import CacheConfig
+
+    with pytest.raises(ValueError, match=needle):
+        CacheConfig(**changes)

@@ -51,7 +51,8 @@ def plan_cache(
     if num_slots < 1 or num_blocks < 1:
         raise ValueError(
             f"cache_memory of {budget_bytes} bytes holds {num_slots} state slot(s) of {per_slot} bytes and "
-            f"{num_blocks} KV block(s) of {per_block} bytes; at least one of each is needed: raise cache_memory"
+            f"{num_blocks} KV block(s) of {per_block} bytes (after the prefix-cache checkpoints took their share); "
+            "at least one of each is needed: raise cache_memory or lower checkpoint_memory"
         )
     layout = CacheLayout(num_blocks=int(num_blocks), num_slots=int(num_slots), block_size=block_size,
                          bytes_per_block=per_block, bytes_per_slot=per_slot)

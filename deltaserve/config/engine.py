@@ -82,6 +82,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r} is not supported (supported: 'fcfs', 'priority')")
+        if not self.watchdog_timeout_s > 0:  # NaN too
+            raise ValueError(f"watchdog_timeout_s must be > 0, got {self.watchdog_timeout_s}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

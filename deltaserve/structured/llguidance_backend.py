@@ -105,11 +105,16 @@ class LLGuidanceBackend(StructuredOutputBackend):
         return LLGuidanceGrammar(matcher)
 
     def validate(self, structured: StructuredOutput) -> None:
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar_text(structured), self.lltokenizer(())
-        )
+        text, lltok = grammar_text(structured), self.lltokenizer(())
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, lltok)
         if is_error:
             raise ValueError(_message(structured, messages[0] if messages else "invalid"))
+        # A grammar can compile and still allow no first token (a schema that is only `{"$ref": "#"}`): the
+        # request would end empty with a 200. The first mask says so, cheaply.
+        matcher = llguidance.LLMatcher(lltok, text, log_level=0)
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise ValueError(_message(structured, matcher.get_error().splitlines()[0]))
 
     def fill_bitmask(self, grammars: Sequence[Grammar], bitmask: torch.Tensor) -> None:
         if all(isinstance(g, LLGuidanceGrammar) for g in grammars):

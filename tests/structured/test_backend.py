@@ -203,6 +203,12 @@ def test_validate_and_compile_reject_broken_specs(backend, kind, spec, words):
         backend.compile(structured, STOPS)
 
 
+def test_validate_rejects_a_grammar_that_allows_no_first_token(backend):
+    """`{"$ref": "#"}` compiles but matches nothing: the request would end empty with a 200; validate says so."""
+    with pytest.raises(ValueError, match="structured json_schema"):
+        backend.validate(StructuredOutput("json_schema", '{"$ref": "#"}'))
+
+
 @pytest.mark.parametrize("structured", [
     StructuredOutput("json_schema", '{"type": "object", "properties": {"a": {"type": "string"}}}'),
     StructuredOutput("json_object"),
