@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -117,3 +118,31 @@ def test_cache_memory_syntax_is_checked_in_the_config(changes, needle):
 
     with pytest.raises(ValueError, match=needle):
         CacheConfig(**changes)
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda c: c.EngineConfig(model="m", seed="x"), "seed must be int, got 'x'"),
+    (lambda c: c.EngineConfig(model="m", max_model_len=2.5), "max_model_len must be int or None"),
+    (lambda c: c.EngineConfig(model="m", num_threads=True), "num_threads must be int or None, got True"),
+    (lambda c: c.EngineConfig(model="m", cache={}), "cache must be CacheConfig"),
+    (lambda c: c.CacheConfig(block_size="16"), "block_size must be int, got '16'"),
+    (lambda c: c.CacheConfig(enable_prefix_caching=1), "enable_prefix_caching must be bool"),
+    (lambda c: c.SchedulerConfig(policy=None), "policy must be str"),
+])
+def test_engine_arguments_of_the_wrong_type_name_the_field(make, needle):
+    """LLM(seed="x") or LLM(block_size="16") failed later with a torch or comparison error; now the config names the
+    field. An int is a float, and memory sizes may be numbers."""
+    import deltaserve.config as config
+
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        make(config)
+    assert config.SchedulerConfig(watchdog_timeout_s=5).watchdog_timeout_s == 5
+    assert config.CacheConfig(cache_memory=2**30, checkpoint_memory=0.5).cache_memory == 2**30
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_checkpoint_floats_are_refused(value):
+    """config.json may hold NaN / Infinity (Python's json reads them); a NaN routed_scaling_factor would make every
+    MoE output NaN."""
+    with pytest.raises(ConfigError, match="routed_scaling_factor=.* must be a finite number"):
+        ModelConfig.from_dict(raw(routed_scaling_factor=value))

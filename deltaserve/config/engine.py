@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from deltaserve.config.fields import check_field_types
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -31,7 +33,7 @@ class CacheConfig:
 
     block_size: int = 16
     """Tokens per MLA KV block."""
-    cache_memory: str = "2GiB"
+    cache_memory: str | float = "2GiB"
     """Memory for both pools: bytes ('2GiB', '512MB') or a fraction of free memory ('0.5')."""
     num_blocks: int | None = None
     """Override the planner: exactly this many KV blocks."""
@@ -41,12 +43,13 @@ class CacheConfig:
     """Reuse KV blocks and KDA state checkpoints across requests that share a prompt prefix."""
     state_checkpoint_interval: int = 512
     """During a long prefill, save a KDA state checkpoint every this many tokens (a multiple of block_size)."""
-    checkpoint_memory: str = "0.25"
+    checkpoint_memory: str | float = "0.25"
     """Memory for prefix-cache state checkpoints: bytes ('512MiB') or a fraction of cache_memory ('0.25')."""
     num_checkpoint_slots: int | None = None
     """Override: exactly this many state checkpoint slots (0 keeps no checkpoints)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.state_checkpoint_interval < 1 or self.state_checkpoint_interval % self.block_size:
@@ -76,6 +79,7 @@ class SchedulerConfig:
     """Log an error when requests are pending but none made progress for this long."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -110,6 +114,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported (supported: 'bfloat16', 'float32')")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

@@ -1,7 +1,12 @@
-"""Typed, validated access to the fields of a checkpoint's config dict: every error names the field it is about."""
+"""Typed, validated access to the fields of a checkpoint's config dict, and type checks of config dataclasses: every
+error names the field it is about."""
 
 from __future__ import annotations
 
+import math
+import types
+import typing
+from dataclasses import fields
 from typing import Any
 
 
@@ -39,8 +44,8 @@ class ConfigFields:
         name, value = self._get(names, default)
         if value is None and default is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be a number")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(f"config field {self.prefix}{name}={value!r} must be a finite number")
         return float(value)
 
     def as_bool(self, *names: str, default: Any = _MISSING) -> bool:
@@ -63,3 +68,17 @@ class ConfigFields:
         if not isinstance(value, dict):
             raise ConfigError(f"config field {self.prefix}{name} must be an object")
         return value
+
+
+def check_field_types(config: object) -> None:
+    """ValueError naming the field whose value is not of its annotated type (``block_size="16"``, ``seed=1.5``),
+    instead of a comparison or torch error later. bool is not an int here; an int is a float."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):  # type: ignore[arg-type]
+        hint, value = hints[f.name], getattr(config, f.name)
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if float in allowed:
+            allowed = (*allowed, int)
+        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{f.name} must be {names}, got {value!r:.60}")

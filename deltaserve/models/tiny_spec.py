@@ -3,7 +3,10 @@ arguments without importing torch."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from deltaserve.config.fields import check_field_types
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,3 +48,10 @@ class TinySpec:
     """kimi_k3: decoder layers per Block AttnRes block; none for plain residuals."""
     expert_format: str = "compressed-tensors"
     """kimi_k3: routed experts in MXFP4, "compressed-tensors" (K3's layout) or "gpt-oss", or "dense"."""
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor}")
+        if self.shard_bytes < 0:
+            raise ValueError(f"shard_bytes must be >= 0 (0 writes one file), got {self.shard_bytes}")

@@ -45,6 +45,8 @@ def test_generate_reports_bad_model_dir_cleanly(tmp_path):
     (("serve", "--checkpoint-memory", "0"), "checkpoint_memory='0'"),
     (("generate", "--prompt", "x", "--cache-memory", "1000GiB"), "GiB are free"),
     (("make-tiny", "/etc/passwd"), "File exists"),
+    (("make-tiny", "/tmp/never-written", "--routed-scaling-factor", "nan"), "routed_scaling_factor must be a finite"),
+    (("make-tiny", "/tmp/never-written", "--shard-bytes", "-1"), "shard_bytes must be >= 0"),
     (("bench", "offline", "--num-prompts", "0"), "--num-prompts must be >= 1"),
     (("bench", "http", "--port", "99999"), "--port must be in 1..65535"),
 ])

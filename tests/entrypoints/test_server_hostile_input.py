@@ -119,6 +119,32 @@ def test_forcing_a_good_tool_beside_a_bad_one_is_served(server):
     assert resp.status_code == 200, resp.text
 
 
+@pytest.mark.parametrize("fmt", [{"response_format": {"type": "json_object"}},
+                                 {"structured_outputs": {"regex": "[a-z]+"}}])
+def test_forced_tool_call_and_an_answer_format_are_a_400(server, fmt):
+    """A forced tool call and a response format cannot both constrain one output (vLLM refuses it too); the format
+    was silently ignored before. With tool_choice auto the format applies to the answer, as before."""
+    tools = [{"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
+    body = {"model": "tiny", "messages": USER, "max_tokens": 4, "tools": tools, **fmt}
+    for choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        err = _openai_error(_post(server, CHAT, {**body, "tool_choice": choice}), 400, "response_format")
+        assert "tool_choice" in err["message"]
+    assert _post(server, CHAT, {**body, "tool_choice": "auto"}).status_code == 200
+
+
+def test_union_type_errors_name_the_nested_field(server):
+    """A wrong type inside a value that may be a string or a list of blocks names the block's field, not the
+    'should be a valid string' of the union's first member."""
+    messages = [{"role": "user", "content": "call f"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": [1, 2]}]}]
+    resp = _post(server, "/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": messages})
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["error"]["message"].startswith("messages.1.content.0.input: Input should be a valid dict")
+    bad_part = [{"role": "user", "content": [{"type": "text", "text": 5}]}]
+    err = _openai_error(_post(server, CHAT, {"model": "tiny", "messages": bad_part}), 422, "messages.0.content.0.text")
+    assert "valid string" in err["message"]
+
+
 def test_unknown_routes_and_methods_get_error_bodies(server):
     """404 and 405 answers carry OpenAI- or Anthropic-shaped error bodies."""
     resp = httpx.get(f"{server.url}{COMPLETIONS}", headers=server.headers())

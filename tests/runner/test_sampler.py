@@ -72,6 +72,22 @@ def test_neutral_penalties_leave_row_bit_identical(gen):
     assert torch.equal(out, logits)
 
 
+@pytest.mark.parametrize("penalty", [1e-320, 1e-300, 1e-30, 1e30, 1e300])
+def test_extreme_penalties_and_temperature_keep_rows_finite(penalty):
+    """A repetition penalty that over- or underflows fp32 (or a near-greedy temperature) leaves finite logits finite
+    and masked ones at -inf, so the row still samples its penalised argmax, never NaN."""
+    logits = torch.tensor([[2.0, -1.0, 0.0, 3.0, NEG_INF, 1.0]])
+    seen = torch.tensor([[1, 1, 1, 0, 1, 0]])
+    out = apply_penalties(logits, seen, torch.zeros_like(seen), torch.tensor([penalty]), torch.zeros(1),
+                          torch.zeros(1))
+    assert torch.isfinite(out[0, :4]).all() and torch.isfinite(out[0, 5]) and out[0, 4] == NEG_INF
+    favoured = 0 if penalty < 1 else 3  # a tiny penalty makes seen positive logits huge; a huge one shrinks them
+    assert int(out.argmax()) == favoured
+    rows = [make_row(prompt=[0, 1, 2, 4], temperature=temperature, repetition_penalty=penalty, seed=5)
+            for temperature in (0.0, 1e-5, 1.0)]
+    assert sample(logits.expand(3, -1), rows).token_ids[:2] == [favoured, favoured]
+
+
 def test_greedy_is_argmax(gen):
     """Greedy rows without penalties return the argmax of their logits row."""
     logits = torch.randn(6, 51, generator=gen)

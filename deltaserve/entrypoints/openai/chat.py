@@ -89,6 +89,10 @@ class ChatPlan:
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         structured = None
         if choice == "required" or forced is not None:
+            if _response_format(body) is not None:
+                # vLLM's rule too: the forced call's grammar and an answer format cannot both constrain one output.
+                raise bad_request("response_format / structured_outputs cannot be combined with a tool_choice that "
+                                  "forces a tool call", param="response_format")
             structured = fmt.tool_call_grammar(tools, name=forced, parallel=body.parallel_tool_calls,
                                                thinking=thinking)
             frontend.validate_tool_grammar(tools, structured, param="tools", name=forced)

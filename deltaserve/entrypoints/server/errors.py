@@ -42,8 +42,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """(message, param) of pydantic validation errors: the first error names its field path."""
-    first = errors[0]
-    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    """(message, param) of pydantic validation errors, naming the field path of the most specific error.
+
+    A value that fits no member of a union (message content that is a string or a list of blocks) gets one error per
+    member; the deepest one says what is wrong (``messages.0.content.0.input: Input should be a valid dictionary``),
+    and the union members pydantic puts in the path (``str``, ``list[ContentBlock]``) are left out of it.
+    """
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_member(p)) or None
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return f"{param}: {first.get('msg', 'invalid value')}{more}" if param else first.get("msg", "invalid"), param
+
+
+def _is_union_member(part: object) -> bool:
+    # Field names in our request models are snake_case; pydantic's union tags are type names.
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "list", "dict", "none"}
+                                      or "[" in part or part[:1].isupper())

@@ -64,10 +64,19 @@ def apply_penalties(
     """
     dtype = logits.dtype
     seen = (prompt_counts != 0) | (output_counts != 0)  # [N, V]
-    rep = torch.where(seen, repetition_penalty.to(dtype)[:, None], 1.0)  # [N, V]
-    out = torch.where(logits > 0, logits / rep, logits * rep)
+    # Kept within the dtype's normal range: 1e-300 or 1e300 in fp32 would be 0 or inf, and 0 * -inf is NaN.
+    finfo = torch.finfo(dtype)
+    rep = torch.where(seen, repetition_penalty.to(dtype).clamp(finfo.tiny, finfo.max)[:, None], 1.0)  # [N, V]
+    out = _keep_finite(logits, torch.where(logits > 0, logits / rep, logits * rep))
     out = out - frequency_penalty.to(dtype)[:, None] * output_counts.to(dtype)
     return out - presence_penalty.to(dtype)[:, None] * (output_counts != 0).to(dtype)
+
+
+def _keep_finite(logits: Tensor, scaled: Tensor) -> Tensor:
+    """``scaled`` with the entries that overflowed from a finite logit clamped to the dtype's range: a penalty like
+    1e-300 or a temperature of 1e-5 must not turn a row into +inf (softmax NaN) or all -inf. Masked -inf stays."""
+    limit = torch.finfo(scaled.dtype).max
+    return torch.where(torch.isfinite(logits), scaled.clamp(-limit, limit), scaled)
 
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
@@ -89,8 +98,9 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
-    """``logits [N, V] / temperature [N]`` (every temperature > 0; greedy rows never get here). Out of place."""
-    return logits / temperature.to(logits.dtype)[:, None]
+    """``logits [N, V] / temperature [N]`` (every temperature > 0; greedy rows never get here), overflow clamped to the
+    dtype's finite range. Out of place."""
+    return _keep_finite(logits, logits / temperature.to(logits.dtype)[:, None])
 
 
 def apply_top_k_top_p_min_p(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
