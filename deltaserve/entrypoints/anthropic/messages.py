@@ -94,21 +94,27 @@ class MessagesPlan:
                 choice = tc.type
         self.thinking = fmt.default_thinking if body.thinking is None else body.thinking.type != "disabled"
         self.tools_active = bool(tools) and choice != "none"
+        forcing = choice == "required" or forced is not None
+        answer = None
+        if body.output_config is not None and body.output_config.format is not None:
+            if forcing:
+                raise bad_request("output_config.format cannot be combined with a tool_choice that forces a tool "
+                                  "call")
+            answer = StructuredOutput("json_schema", json.dumps(body.output_config.format.schema_))
         try:
             self.prompt_ids = fmt.render(to_chat_messages(body), tools=tools, thinking=self.thinking,
-                                         tool_choice=choice)
+                                         tool_choice=choice if tc is not None else None, response_format=answer)
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
         if body.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {body.max_tokens}")
         max_tokens = frontend.resolve_max_tokens(len(self.prompt_ids), body.max_tokens)
         structured = None
-        if choice == "required" or forced is not None:
+        if forcing:
             parallel = not (tc is not None and tc.disable_parallel_tool_use)
             structured = fmt.tool_call_grammar(tools, name=forced, parallel=parallel, thinking=self.thinking)
             frontend.validate_tool_grammar(tools, structured, param="tools", name=forced)
-        elif body.output_config is not None and body.output_config.format is not None:
-            answer = StructuredOutput("json_schema", json.dumps(body.output_config.format.schema_))
+        elif answer is not None:
             frontend.validate_structured(answer, param="output_config.format")
             structured = fmt.constrain(answer, thinking=self.thinking)
         values: dict[str, Any] = {"max_tokens": max_tokens, "stop": tuple(body.stop_sequences or ()),

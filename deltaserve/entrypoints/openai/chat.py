@@ -14,7 +14,12 @@ from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.entrypoints.openai.logprobs import chat_logprobs
-from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
+from deltaserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessageParam,
+    NamedToolChoice,
+    ResponseFormat,
+)
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, chat_processors
@@ -78,9 +83,19 @@ class ChatPlan:
             raise bad_request("chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
         self.thinking = thinking
         self.tools_active = bool(tools) and choice != "none"
+        forcing = choice == "required" or forced is not None
+        declared = _response_format(body.response_format)
+        answer = body.structured_extra() or declared
+        if forcing and answer is not None:
+            # vLLM's rule too: the forced call's grammar and an answer format cannot both constrain one output.
+            raise bad_request("response_format / structured_outputs cannot be combined with a tool_choice that "
+                              "forces a tool call", param="response_format")
         try:
+            # The format declares what the request set in the prompt as its template does (K3: internal messages;
+            # "none" only when the client sent it); vLLM's structured_outputs only constrain the sampler.
             self.prompt_ids = fmt.render(to_chat_messages(body.messages), tools=tools, thinking=thinking,
-                                         tool_choice=choice)
+                                         tool_choice=choice if body.tool_choice is not None else None,
+                                         response_format=declared)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from exc
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -88,19 +103,13 @@ class ChatPlan:
             len(self.prompt_ids), requested,
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         structured = None
-        if choice == "required" or forced is not None:
-            if _response_format(body) is not None:
-                # vLLM's rule too: the forced call's grammar and an answer format cannot both constrain one output.
-                raise bad_request("response_format / structured_outputs cannot be combined with a tool_choice that "
-                                  "forces a tool call", param="response_format")
+        if forcing:
             structured = fmt.tool_call_grammar(tools, name=forced, parallel=body.parallel_tool_calls,
                                                thinking=thinking)
             frontend.validate_tool_grammar(tools, structured, param="tools", name=forced)
-        else:
-            answer = _response_format(body)
-            if answer is not None:
-                frontend.validate_structured(answer, param="response_format")
-                structured = fmt.constrain(answer, thinking=thinking)
+        elif answer is not None:
+            frontend.validate_structured(answer, param="response_format")
+            structured = fmt.constrain(answer, thinking=thinking)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
@@ -113,11 +122,8 @@ class ChatPlan:
         return chat_processors(frontend, thinking=self.thinking, tools=self.tools_active)
 
 
-def _response_format(body: ChatCompletionRequest) -> StructuredOutput | None:
-    rf = body.response_format
-    extra = body.structured_extra()
-    if extra is not None:
-        return extra
+def _response_format(rf: ResponseFormat | None) -> StructuredOutput | None:
+    """The OpenAI `response_format` as a constraint; None for absent or "text"."""
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
