@@ -10,6 +10,12 @@ def api_key() -> str | None:
     return os.environ.get("DELTASERVE_API_KEY") or None
 
 
+def client_api_key() -> str | None:
+    """The key benchmark clients send: `OPENAI_API_KEY` (what `vllm bench serve` reads), else
+    `DELTASERVE_API_KEY`."""
+    return os.environ.get("OPENAI_API_KEY") or api_key()
+
+
 def mxfp8_activations() -> bool:
     """`DELTASERVE_MXFP8_ACTIVATIONS=1`: round the inputs of MXFP4 expert GEMMs through MXFP8 (E4M3 with an E8M0
     scale per 32), emulating an MXFP4 x MXFP8 kernel (model-spec §10.4). Off by default (bf16/fp32 activations)."""

@@ -225,13 +225,13 @@ def format_table(result: dict[str, Any], *, selected: Sequence[str], percentiles
     row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
     row("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], ".2f")
     row("Peak concurrent requests:", result["max_concurrent_requests"], ".2f")
-    row("Total Token throughput (tok/s):", result["total_token_throughput"], ".2f")
+    row("Total token throughput (tok/s):", result["total_token_throughput"], ".2f")
     if result.get("prefix_cache_hit_rate") is not None:
         row("Prefix cache hit rate (client):", f"{result['prefix_cache_hit_rate']:.1%}")
     headers = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
                "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency"),
-               "client_queue_time": ("Client Queue Time", "Client Queue Time"),
-               "e2el_including_client_queue": ("E2EL incl. Queue", "E2EL Including Client Queue")}
+               "client_queue_time": ("Client Queue Time", "Client-side Queueing"),
+               "e2el_including_client_queue": ("E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency")}
     for name in selected:
         if f"mean_{name}_ms" not in result:
             continue

@@ -31,21 +31,36 @@ from deltaserve.bench.metrics import (
 )
 from deltaserve.bench.serve_config import ServeBenchConfig, add_config_args, config_from_args
 
-DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
-                 "generated_texts", "errors")
+DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "errors")
+"""Per-request arrays saved only with --save-detailed (vLLM keeps latencies and queue_times in every file)."""
 
 
-def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """vLLM's send times (s after the start): gamma gaps (shape = burstiness, mean 1 / rate), cumulated and
-    rescaled so that the last request departs at exactly n / rate; all zeros for an infinite rate."""
-    if rate == float("inf"):
+def request_rates(n: int, rate: float, ramp_up: tuple[str, float, float] | None = None) -> np.ndarray:
+    """The arrival rate at each request: `rate`, or vLLM's ramp-up from start to end over the request index
+    (linear, or exponential: start * (end / start) ** progress)."""
+    if ramp_up is None:
+        return np.full(n, rate)
+    strategy, start, end = ramp_up
+    progress = np.arange(n) / max(n - 1, 1)
+    return start + (end - start) * progress if strategy == "linear" else start * (end / start) ** progress
+
+
+def arrival_delays(n: int, rate: float, burstiness: float, seed: int,
+                   ramp_up: tuple[str, float, float] | None = None) -> list[float]:
+    """vLLM's send times (s after the start): gamma gaps (shape = burstiness, mean 1 / the request's rate),
+    cumulated; without ramp-up rescaled so that the last request departs at exactly n / rate. All zeros for an
+    infinite rate."""
+    rates = request_rates(n, rate, ramp_up)
+    if np.isinf(rates).all():
         return [0.0] * n
     if burstiness == float("inf"):
-        gaps = np.full(n, 1.0 / rate)
+        gaps = 1.0 / rates
     else:
-        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rates * burstiness))
     cum = np.cumsum(gaps)
-    return (cum * (n / rate) / cum[-1]).tolist() if cum[-1] > 0 else cum.tolist()
+    if ramp_up is None and cum[-1] > 0:
+        cum = cum * (n / rate) / cum[-1]
+    return cum.tolist()
 
 
 class Progress:
@@ -73,10 +88,12 @@ class Progress:
 
 
 def request_headers(cfg: ServeBenchConfig) -> dict[str, str]:
-    """Headers of every request: the server's API key from DELTASERVE_API_KEY, then --header KEY=VALUE pairs."""
+    """Headers of every request: the API key from OPENAI_API_KEY (vLLM's) or DELTASERVE_API_KEY, then --header
+    KEY=VALUE pairs."""
     from deltaserve import envs
 
-    headers = {"Authorization": f"Bearer {envs.api_key()}"} if envs.api_key() else {}
+    key = envs.client_api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     for item in cfg.header or ():
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -85,57 +102,76 @@ def request_headers(cfg: ServeBenchConfig) -> dict[str, str]:
     return headers
 
 
-def load_tokenizer(cfg: ServeBenchConfig):
-    """The tokenizer of --tokenizer, else of --model when it is a checkpoint directory."""
+def load_tokenizer(cfg: ServeBenchConfig, served: dict[str, Any]):
+    """The tokenizer of --tokenizer, else of --model when it is a checkpoint directory, else of the served model's
+    directory (`root` in /v1/models, as vLLM reports it) when that exists on this machine."""
     from deltaserve.text.tokenizer import Tokenizer
 
-    path = cfg.tokenizer or (cfg.model if cfg.model and Path(cfg.model).is_dir() else None)
+    root = served.get("root")
+    candidates = (cfg.tokenizer, cfg.model if cfg.model and Path(cfg.model).is_dir() else None,
+                  root if isinstance(root, str) and root and Path(root).is_dir() else None)
+    path = next((c for c in candidates if c), None)
     if path is None:
-        raise ValueError("a tokenizer is needed to build prompts: pass --tokenizer DIR (a checkpoint directory), "
-                         "or --model DIR")
+        raise ValueError(f"a tokenizer is needed to build prompts and the server's model directory {root!r} is not "
+                         "on this machine: pass --tokenizer DIR (a checkpoint directory), or --model DIR")
     return Tokenizer.from_pretrained(path)
 
 
-def resolve_model(cfg: ServeBenchConfig, models: list[dict[str, Any]]) -> tuple[str, int]:
-    """(name sent in requests, the server's max_model_len): --served-model-name, else --model if served, else the
-    server's first model."""
+def resolve_model(cfg: ServeBenchConfig, models: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """(name sent in requests, the server's /v1/models entry of it): --served-model-name, else --model if served,
+    else the server's first model."""
     ids = [m.get("id") for m in models]
     name = cfg.served_model_name or (cfg.model if cfg.model in ids else ids[0])
-    info = next((m for m in models if m.get("id") == name), models[0])
-    return name, int(info.get("max_model_len") or 1 << 20)
+    return name, next((m for m in models if m.get("id") == name), models[0])
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty")
 
 
 def _sampling(cfg: ServeBenchConfig) -> dict[str, Any]:
-    extras = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
-    body = {k: v for k, v in extras.items() if v is not None}
+    body = {k: getattr(cfg, k) for k in SAMPLING_FIELDS if getattr(cfg, k) is not None}
     body["ignore_eos"] = True if cfg.ignore_eos is None else cfg.ignore_eos
     return body | (cfg.extra_body or {})
 
 
 def completion_body(cfg: ServeBenchConfig, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+    logprobs = {"logprobs": cfg.logprobs} if cfg.logprobs is not None else {}
     return {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
-            "stream_options": {"include_usage": True}, **_sampling(cfg)}
+            "stream_options": {"include_usage": True}, **logprobs, **_sampling(cfg)}
 
 
-def chat_body(cfg: ServeBenchConfig, model: str, messages: list[dict[str, Any]], output_len: int) -> dict[str, Any]:
-    return {"model": model, "messages": messages, "tools": AGENTIC_TOOLS, "max_completion_tokens": output_len,
-            "stream": True, "stream_options": {"include_usage": True}, **_sampling(cfg)}
+def chat_body(cfg: ServeBenchConfig, model: str, messages: list[dict[str, Any]], output_len: int,
+              tools: bool = True) -> dict[str, Any]:
+    """A streamed chat request: agentic turns offer the session's tools; decoded token prompts offer none."""
+    extra: dict[str, Any] = {"tools": AGENTIC_TOOLS} if tools else {}
+    if cfg.logprobs is not None:
+        extra |= {"logprobs": True, "top_logprobs": cfg.logprobs}
+    return {"model": model, "messages": messages, "max_completion_tokens": output_len, "stream": True,
+            "stream_options": {"include_usage": True}, **extra, **_sampling(cfg)}
 
 
 class Runner:
     """Sends one dataset to one server and collects the outcomes (in dataset order; sessions turn by turn)."""
 
-    def __init__(self, cfg: ServeBenchConfig, client, model: str, headers: dict[str, str]) -> None:
+    def __init__(self, cfg: ServeBenchConfig, client, model: str, headers: dict[str, str], tokenizer=None) -> None:
         from deltaserve.bench import endpoint  # httpx: imported only when a benchmark runs
 
         self.endpoint = endpoint
-        self.cfg, self.client, self.model, self.headers = cfg, client, model, headers
+        self.cfg, self.client, self.model, self.headers, self.tokenizer = cfg, client, model, headers, tokenizer
         self.url = cfg.url + cfg.endpoint_path
 
     async def completion(self, req: SampleRequest, prompt: list[int] | None = None,
                          output_len: int | None = None) -> RequestOutcome:
-        body = completion_body(self.cfg, self.model, req.prompt if prompt is None else prompt,
-                               req.output_len if output_len is None else output_len)
+        """One token-id prompt: as is to completions, or decoded into one user message for --backend openai-chat
+        (as vLLM sends its text prompts; the server's usage gives the prompt length after the chat template)."""
+        ids = req.prompt if prompt is None else prompt
+        output_len = req.output_len if output_len is None else output_len
+        if self.cfg.backend_name == "openai-chat":
+            message = {"role": "user", "content": self.tokenizer.decode(ids)}
+            body = chat_body(self.cfg, self.model, [message], output_len, tools=False)
+            return await self.endpoint.send_chat(self.client, self.url, body, self.headers, req.prompt_len)
+        body = completion_body(self.cfg, self.model, ids, output_len)
         return await self.endpoint.send_completion(self.client, self.url, body, self.headers, req.prompt_len)
 
     async def session(self, index: int, s: AgenticSession, due: float, progress: Progress) -> list[RequestOutcome]:
@@ -214,7 +250,10 @@ def send_delays(cfg: ServeBenchConfig, data: Dataset, seed: int) -> list[float]:
         if not data.requests or any(r.arrival_s is None for r in data.requests):
             raise ValueError(f"--self-timed needs a dataset with timestamps (mooncake), not {cfg.dataset_name}")
         return [r.arrival_s for r in data.requests]
-    return arrival_delays(len(items), cfg.request_rate, cfg.burstiness, seed)
+    ramp_up = None
+    if cfg.ramp_up_strategy is not None:
+        ramp_up = (cfg.ramp_up_strategy, float(cfg.ramp_up_start_rps), float(cfg.ramp_up_end_rps))
+    return arrival_delays(len(items), cfg.request_rate, cfg.burstiness, seed, ramp_up)
 
 
 async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:
@@ -224,36 +263,50 @@ async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:
     from deltaserve.bench import endpoint
 
     headers = request_headers(cfg)
-    tokenizer = load_tokenizer(cfg)
     limit = cfg.max_concurrency or 1000
     limits = httpx.Limits(max_connections=limit + 8, max_keepalive_connections=limit + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=30), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=30), limits=limits,
+                                 verify=not cfg.insecure) as client:
         models = await endpoint.wait_ready(client, cfg.url, headers, cfg.ready_check_timeout_sec)
-        model, max_model_len = resolve_model(cfg, models)
-        data = build_dataset(cfg, tokenizer, max_model_len=max_model_len, seed=cfg.seed)
+        model, served = resolve_model(cfg, models)
+        tokenizer = load_tokenizer(cfg, served)
+        data = build_dataset(cfg, tokenizer, max_model_len=int(served.get("max_model_len") or 1 << 20),
+                             seed=cfg.seed)
         delays = send_delays(cfg, data, cfg.seed)
-        runner = Runner(cfg, client, model, headers)
+        runner = Runner(cfg, client, model, headers, tokenizer)
         flushed = await endpoint.reset_prefix_cache(client, cfg.url, headers) if cfg.reset_prefix_cache else None
         if flushed is False:
             print(f"warning: {cfg.url} has no POST /reset_prefix_cache; the prefix cache was not flushed",
                   file=sys.stderr)
         if cfg.ready_check_timeout_sec > 0:
             await runner.check(data)
-        print(f"Traffic request rate: {cfg.request_rate}{' (trace timestamps)' if cfg.uses_timestamps else ''}\n"
-              f"Burstiness factor: {cfg.burstiness}\nMaximum request concurrency: {cfg.max_concurrency}", flush=True)
+        print(traffic_lines(cfg), flush=True)
         before = await endpoint.scrape_counters(client, cfg.url, headers)
         outcomes, duration = await runner.run(data, delays)
         after = await endpoint.scrape_counters(client, cfg.url, headers)
     result = assemble_result(cfg, model, data, outcomes, duration,
-                             count_tokens=lambda text: len(tokenizer.encode(text, allow_special=False)))
+                             count_tokens=lambda text: len(tokenizer.encode(text, allow_special=False)),
+                             tokenizer_id=cfg.tokenizer or cfg.model or served.get("root"))
     result |= endpoint.counter_metrics(before, after)
     result["prefix_cache_flushed"] = flushed
     warn_unexpected_hits(cfg, result)
     print(format_table(result, selected=parse_metric_names(cfg.percentile_metrics or "ttft,tpot,itl"),
                        percentiles=parse_percentiles(cfg.metric_percentiles)))
-    if cfg.save_result:
+    if cfg.save_result or cfg.append_result:
         save_result(cfg, result)
     return result
+
+
+def traffic_lines(cfg: ServeBenchConfig) -> str:
+    """vLLM's lines before the run: the rate (or the ramp-up), the burstiness and its distribution, concurrency."""
+    if cfg.ramp_up_strategy is not None:
+        rate = (f"Traffic ramp-up strategy: {cfg.ramp_up_strategy}. Will increase RPS from {cfg.ramp_up_start_rps} "
+                f"to {cfg.ramp_up_end_rps} RPS over the duration of the benchmark.")
+    else:
+        rate = f"Traffic request rate: {cfg.request_rate}{' (trace timestamps)' if cfg.uses_timestamps else ''}"
+    distribution = "Poisson process" if cfg.burstiness == 1.0 else "Gamma distribution"
+    return (f"{rate}\nBurstiness factor: {cfg.burstiness} ({distribution})\n"
+            f"Maximum request concurrency: {cfg.max_concurrency}")
 
 
 def warn_unexpected_hits(cfg: ServeBenchConfig, result: dict[str, Any]) -> None:
@@ -267,7 +320,7 @@ def warn_unexpected_hits(cfg: ServeBenchConfig, result: dict[str, Any]) -> None:
 
 
 def assemble_result(cfg: ServeBenchConfig, model: str, data: Dataset, outcomes: list[RequestOutcome],
-                    duration: float, count_tokens=None) -> dict[str, Any]:
+                    duration: float, count_tokens=None, tokenizer_id: str | None = None) -> dict[str, Any]:
     """vLLM's result layout (setup keys, then the metrics), our additions, the full configuration, and the
     per-request arrays (dropped on save unless --save-detailed)."""
     selected = parse_metric_names(cfg.percentile_metrics or "ttft,tpot,itl")
@@ -277,9 +330,9 @@ def assemble_result(cfg: ServeBenchConfig, model: str, data: Dataset, outcomes: 
                                            goodput=parse_goodput(cfg.goodput), queue_metrics=queue_metrics,
                                            count_tokens=count_tokens)
     result: dict[str, Any] = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": cfg.backend_name,
-        "backend": cfg.backend_name, "label": cfg.label, "model_id": cfg.model or model,
-        "tokenizer_id": cfg.tokenizer or cfg.model, "num_prompts": cfg.num_prompts,
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": cfg.backend or cfg.backend_name,
+        "backend": cfg.backend or cfg.backend_name, "label": cfg.label, "model_id": cfg.model or model,
+        "tokenizer_id": tokenizer_id or cfg.tokenizer or cfg.model, "num_prompts": cfg.num_prompts,
     }
     for item in cfg.metadata or ():
         key, sep, value = item.partition("=")
@@ -288,7 +341,11 @@ def assemble_result(cfg: ServeBenchConfig, model: str, data: Dataset, outcomes: 
         result[key.strip()] = value.strip()
     result |= {"request_rate": cfg.request_rate if cfg.request_rate < float("inf") else "inf",
                "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency}
+    if cfg.ramp_up_strategy is not None:
+        result |= {"ramp_up_strategy": cfg.ramp_up_strategy, "ramp_up_start_rps": cfg.ramp_up_start_rps,
+                   "ramp_up_end_rps": cfg.ramp_up_end_rps}
     result |= metrics
+    result["rtfx"] = 0.0  # vLLM's real-time factor of audio transcription; always 0 for text generation
     result |= {"dataset_name": cfg.dataset_name, "served_model_name": model, "goodput_slos": parse_goodput(cfg.goodput),
                **data.info, "config": jsonable(dataclasses.asdict(cfg))}
     result |= {"input_lens": [o.prompt_len for o in outcomes], "output_lens": output_lens,
@@ -312,16 +369,20 @@ def result_path(cfg: ServeBenchConfig, result: dict[str, Any]) -> Path:
     if name is None:
         base = str(result["model_id"]).rstrip("/").split("/")[-1]
         conc = f"-concurrency{cfg.max_concurrency}" if cfg.max_concurrency is not None else ""
-        name = f"{cfg.label or cfg.backend_name}-{cfg.request_rate}qps{conc}-{base}-{result['date']}.json"
+        name = f"{cfg.label or cfg.backend or cfg.backend_name}-{cfg.rate_label}{conc}-{base}-{result['date']}.json"
     return Path(cfg.result_dir or ".") / name
 
 
 def save_result(cfg: ServeBenchConfig, result: dict[str, Any]) -> Path:
-    """Write the JSON (per-request arrays only with --save-detailed) and, with --plots, the TTFT / ITL PNG."""
+    """Write the JSON (per-request arrays only with --save-detailed), appended as one more line with
+    --append-result, and, with --plots, the TTFT / ITL PNG."""
     path = result_path(cfg, result)
     path.parent.mkdir(parents=True, exist_ok=True)
     saved = {k: v for k, v in result.items() if cfg.save_detailed or k not in DETAILED_KEYS}
-    path.write_text(json.dumps(saved, indent=2) + "\n")
+    with path.open("a" if cfg.append_result else "w", encoding="utf-8") as f:
+        if cfg.append_result and f.tell():
+            f.write("\n")  # vLLM's appended file: one JSON object per line
+        f.write(json.dumps(saved))
     print(f"wrote {path}")
     if cfg.plots:
         from deltaserve.bench.plots import plot_distributions

@@ -17,8 +17,8 @@ from deltaserve.bench.datasets import CHAT_DATASETS, DATASETS, TOKEN_DATASETS
 from deltaserve.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
 from deltaserve.utils.cli_args import field_docs
 
-BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-"""Backend name -> default endpoint, as in vLLM."""
+BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+"""Backend name -> default endpoint, as in vLLM ("vllm" is vLLM's name for its own completions API)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,16 +34,20 @@ class ServeBenchConfig:
     endpoint: str | None = None
     """API path (default: /v1/completions for backend openai, /v1/chat/completions for openai-chat)."""
     backend: str | None = field(default=None, metadata={"choices": list(BACKENDS)})
-    """'openai' (completions, token-id prompts) or 'openai-chat' (default: what the dataset needs)."""
+    """'openai' or 'vllm' (completions, token-id prompts), or 'openai-chat' (each prompt decoded into one user
+    message; agentic sessions need it). Default: openai, and openai-chat for agentic."""
     model: str | None = None
-    """Model id: a checkpoint directory (also used as the tokenizer) or the served name (default: the first model
-    of /v1/models)."""
+    """Model id: a checkpoint directory or the served name (default: the first model of /v1/models)."""
     served_model_name: str | None = None
     """Model name sent in requests (default: --model when the server serves it, else the server's first model)."""
     tokenizer: str | None = None
-    """Checkpoint directory with the tokenizer (default: --model when it is a directory)."""
+    """Checkpoint directory with the tokenizer (default: --model when it is a directory, else the served model's
+    directory, `root` in /v1/models, when it exists on this machine)."""
     header: list[str] | None = field(default=None, metadata={"nargs": "*"})
-    """Extra request headers as KEY=VALUE (the API key also comes from OPENAI_API_KEY)."""
+    """Extra request headers as KEY=VALUE. The API key comes from OPENAI_API_KEY (as in vLLM) or
+    DELTASERVE_API_KEY."""
+    insecure: bool = False
+    """Do not verify the server's TLS certificate (https base URLs)."""
     ready_check_timeout_sec: int = 60
     """Seconds to wait for the server (GET /v1/models) before giving up; then one short test request (0: skip)."""
     dataset_name: str = field(default="random", metadata={"choices": list(DATASETS)})
@@ -52,12 +56,12 @@ class ServeBenchConfig:
     """Trace file for mooncake (default: the shared Mooncake conversation trace)."""
     num_prompts: int = 1000
     """Requests to send (turns, for agentic; trace rows, for mooncake)."""
-    random_input_len: int = 1024
-    """random: prompt tokens per request (after the prefix)."""
-    random_output_len: int = 128
-    """random: output tokens per request."""
+    random_input_len: int = field(default=1024, metadata={"aliases": ["--input-len"]})
+    """random: prompt tokens per request (after the prefix); vLLM's general --input-len sets it too."""
+    random_output_len: int = field(default=128, metadata={"aliases": ["--output-len"]})
+    """random: output tokens per request; vLLM's general --output-len sets it too."""
     random_range_ratio: float = 0.0
-    """random: lengths uniform in [len·(1 - r), len·(1 + r)]."""
+    """random: lengths uniform in [floor(len·(1 - r)), ceil(len·(1 + r))], r in [0, 1)."""
     random_prefix_len: int = 0
     """random: tokens of one random prefix shared by every prompt."""
     prefix_repetition_prefix_len: int = 256
@@ -94,6 +98,13 @@ class ServeBenchConfig:
     """Requests (sessions, for agentic) per second; inf sends all at once."""
     burstiness: float = 1.0
     """Gamma shape of inter-arrival gaps: 1 is Poisson, < 1 burstier, > 1 more uniform."""
+    ramp_up_strategy: str | None = field(default=None, metadata={"choices": ["linear", "exponential"]})
+    """Raise the request rate from --ramp-up-start-rps to --ramp-up-end-rps over the run (instead of
+    --request-rate): linearly or exponentially in the request index."""
+    ramp_up_start_rps: int | None = None
+    """Request rate of the first request, with --ramp-up-strategy."""
+    ramp_up_end_rps: int | None = None
+    """Request rate of the last request, with --ramp-up-strategy."""
     max_concurrency: int | None = None
     """Most requests (agentic: sessions) in flight at once, a client-side semaphore."""
     num_warmups: int = 0
@@ -106,6 +117,16 @@ class ServeBenchConfig:
     """Top-p sent with every request (default: not sent)."""
     top_k: int | None = None
     """Top-k sent with every request (default: not sent)."""
+    min_p: float | None = None
+    """Min-p sent with every request (default: not sent)."""
+    frequency_penalty: float | None = None
+    """Frequency penalty sent with every request (default: not sent)."""
+    presence_penalty: float | None = None
+    """Presence penalty sent with every request (default: not sent)."""
+    repetition_penalty: float | None = None
+    """Repetition penalty sent with every request (default: not sent)."""
+    logprobs: int | None = None
+    """Log-probabilities of this many top tokens returned per output token (default: none asked)."""
     ignore_eos: bool | None = None
     """Send ignore_eos so outputs have exactly the dataset's length (default: on for every dataset here)."""
     extra_body: dict[str, Any] | None = field(default=None, metadata={"type": json.loads})
@@ -120,7 +141,11 @@ class ServeBenchConfig:
     save_result: bool = False
     """Write the result JSON (and PNG plots beside it)."""
     save_detailed: bool = False
-    """Add per-request arrays to the JSON (input_lens, output_lens, ttfts, itls, latencies, start_times, ...)."""
+    """Add per-request arrays to the JSON (input_lens, output_lens, ttfts, itls, start_times, generated_texts,
+    errors); latencies and queue_times are always saved, as in vLLM."""
+    append_result: bool = False
+    """Save the result (as --save-result) by appending it to the result file as one more JSON line, vLLM's
+    format, instead of overwriting the file."""
     result_dir: str | None = None
     """Directory of the result files (default: the current directory)."""
     result_filename: str | None = None
@@ -147,17 +172,44 @@ class ServeBenchConfig:
             raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {self.request_rate}")
         if not self.burstiness > 0:
             raise ValueError(f"--burstiness must be > 0, got {self.burstiness}")
-        if self.backend is not None and self.backend_name != self.backend:
-            raise ValueError(f"--dataset-name {self.dataset_name} needs --backend {self.backend_name}")
+        self._check_ramp_up()
+        if not 0.0 <= self.random_range_ratio < 1.0:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.random_range_ratio}")
+        if self.dataset_name in CHAT_DATASETS and self.backend_name != "openai-chat":
+            raise ValueError(f"--dataset-name {self.dataset_name} needs --backend openai-chat")
+        if self.dataset_path is not None and self.dataset_name != "mooncake":
+            raise ValueError(f"--dataset-path is a trace file for mooncake; --dataset-name {self.dataset_name} "
+                             "generates its prompts")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"--logprobs must be >= 0, got {self.logprobs}")
         if self.agentic_turns < 1 or self.ready_check_timeout_sec < 0 or self.num_warmups < 0:
             raise ValueError("--agentic-turns must be >= 1, --ready-check-timeout-sec and --num-warmups >= 0")
         parse_goodput(self.goodput)
         parse_percentiles(self.metric_percentiles)
         parse_metric_names(self.percentile_metrics or "ttft,tpot,itl")
 
+    def _check_ramp_up(self) -> None:
+        """vLLM's rules: ramp-up replaces --request-rate and needs both ends, 0 < start <= end."""
+        if self.ramp_up_strategy is None:
+            if self.ramp_up_start_rps is not None or self.ramp_up_end_rps is not None:
+                raise ValueError("--ramp-up-start-rps / --ramp-up-end-rps need --ramp-up-strategy")
+            return
+        start, end = self.ramp_up_start_rps, self.ramp_up_end_rps
+        if self.request_rate != float("inf"):
+            raise ValueError("with --ramp-up-strategy the rate comes from --ramp-up-start-rps / --ramp-up-end-rps; "
+                             "remove --request-rate")
+        if start is None or end is None:
+            raise ValueError("--ramp-up-strategy needs both --ramp-up-start-rps and --ramp-up-end-rps")
+        if not 0 < start <= end:
+            # vLLM allows a linear ramp from 0 and then fails on the first request's zero rate.
+            raise ValueError(f"ramp-up rates must satisfy 0 < start <= end, got {start} and {end}")
+
     @property
     def backend_name(self) -> str:
-        """The backend the dataset needs: token-id prompts go to completions, sessions to chat."""
+        """'openai' (completions) or 'openai-chat': --backend ('vllm' is completions), else what the dataset needs
+        (agentic sessions are chat)."""
+        if self.backend is not None:
+            return "openai" if self.backend == "vllm" else self.backend
         return "openai" if self.dataset_name in TOKEN_DATASETS else "openai-chat"
 
     @property
@@ -177,6 +229,14 @@ class ServeBenchConfig:
     @property
     def chat(self) -> bool:
         return self.dataset_name in CHAT_DATASETS
+
+    @property
+    def rate_label(self) -> str:
+        """The arrival rate in result file names, as vLLM writes it: `10.0qps`, `infqps`, or
+        `ramp-up-linear-1qps-10qps`."""
+        if self.ramp_up_strategy is not None:
+            return f"ramp-up-{self.ramp_up_strategy}-{self.ramp_up_start_rps}qps-{self.ramp_up_end_rps}qps"
+        return f"{self.request_rate}qps"
 
 
 def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
@@ -200,7 +260,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         kwargs["type"] = f.metadata.get("type", str if kind in (list, dict) else kind)
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
 
 def config_from_args(cls: type, args: argparse.Namespace) -> Any:

@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from deltaserve.utils.cli_args import dashes_in_flags
+
+    args = build_parser().parse_args(dashes_in_flags(sys.argv[1:] if argv is None else list(argv)))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:

@@ -62,3 +62,17 @@ def check_at_least_one(args: Any, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def dashes_in_flags(argv: list[str]) -> list[str]:
+    """`--num_prompts` read as `--num-prompts`, as vLLM's parser does: underscores in option names become dashes
+    (values, and anything after `--`, are kept)."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        out.append(arg)
+    return out

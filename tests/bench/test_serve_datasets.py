@@ -142,13 +142,25 @@ def test_config_validation_gives_clear_errors():
              ({"max_concurrency": 0}, "--max-concurrency must be a positive integer"),
              ({"max_concurrency": -3}, "--max-concurrency"), ({"request_rate": 0.0}, "--request-rate"),
              ({"num_prompts": 0}, "--num-prompts"), ({"burstiness": 0.0}, "--burstiness"),
-             ({"backend": "openai-chat"}, "needs --backend openai"), ({"goodput": ["ttft"]}, "--goodput")]
+             ({"dataset_name": "agentic", "backend": "openai"}, "needs --backend openai-chat"),
+             ({"goodput": ["ttft"]}, "--goodput"), ({"random_range_ratio": 1.0}, "--random-range-ratio"),
+             ({"dataset_path": "t.jsonl"}, "--dataset-path is a trace file for mooncake"),
+             ({"logprobs": -1}, "--logprobs"),
+             ({"ramp_up_strategy": "linear", "ramp_up_start_rps": 1}, "needs both"),
+             ({"ramp_up_strategy": "linear", "ramp_up_start_rps": 1, "ramp_up_end_rps": 5, "request_rate": 2.0},
+              "remove --request-rate"),
+             ({"ramp_up_strategy": "linear", "ramp_up_start_rps": 0, "ramp_up_end_rps": 5}, "0 < start <= end"),
+             ({"ramp_up_start_rps": 1}, "need --ramp-up-strategy")]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             ServeBenchConfig(**kwargs)
     cfg = ServeBenchConfig(dataset_name="agentic", port=9)
     assert (cfg.backend_name, cfg.endpoint_path, cfg.url) == ("openai-chat", "/v1/chat/completions",
                                                               "http://127.0.0.1:9")
+    assert ServeBenchConfig(backend="vllm").backend_name == "openai"  # vLLM's name for its completions API
+    assert ServeBenchConfig(backend="openai-chat").endpoint_path == "/v1/chat/completions"  # random prompts as text
+    ramp = ServeBenchConfig(ramp_up_strategy="exponential", ramp_up_start_rps=1, ramp_up_end_rps=8)
+    assert ramp.rate_label == "ramp-up-exponential-1qps-8qps"
     assert ServeBenchConfig(dataset_name="mooncake").uses_timestamps
     assert not ServeBenchConfig(dataset_name="mooncake", self_timed=False).uses_timestamps
 
@@ -157,6 +169,7 @@ def test_cli_uses_vllm_flag_names():
     """`deltaserve bench serve` accepts vllm bench serve's flags with the same meaning."""
     from deltaserve.bench.serve_config import config_from_args
     from deltaserve.entrypoints.cli import build_parser
+    from deltaserve.utils.cli_args import dashes_in_flags
 
     argv = ["bench", "serve", "--base-url", "http://h:1", "--model", "m", "--dataset-name", "random",
             "--num-prompts", "5", "--random-input-len", "8192", "--random-output-len", "1000", "--max-concurrency", "4",
@@ -168,3 +181,14 @@ def test_cli_uses_vllm_flag_names():
     assert (cfg.request_rate, cfg.burstiness, cfg.goodput) == (2.5, 0.5, ["ttft:500", "tpot:50"])
     assert cfg.save_result and cfg.ignore_eos and cfg.extra_body == {"top_k": 5} and cfg.result_dir == "r"
     assert build_parser().parse_args(["bench", "serve"]).request_rate == float("inf")
+    # vLLM's general --input-len / --output-len, its underscore spellings, and its sampling flags.
+    argv = ["bench", "serve", "--input_len", "64", "--output-len", "9", "--num_prompts=3", "--min-p", "0.1",
+            "--frequency_penalty", "0.5", "--presence-penalty", "0.2", "--repetition-penalty", "1.1", "--logprobs", "2",
+            "--append-result", "--insecure", "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1",
+            "--ramp-up-end-rps", "4"]
+    cfg = config_from_args(ServeBenchConfig, build_parser().parse_args(dashes_in_flags(argv)))
+    assert (cfg.random_input_len, cfg.random_output_len, cfg.num_prompts) == (64, 9, 3)
+    assert (cfg.min_p, cfg.frequency_penalty, cfg.presence_penalty, cfg.repetition_penalty) == (0.1, 0.5, 0.2, 1.1)
+    assert cfg.logprobs == 2 and cfg.append_result and cfg.insecure
+    assert (cfg.ramp_up_strategy, cfg.ramp_up_start_rps, cfg.ramp_up_end_rps) == ("linear", 1, 4)
+    assert dashes_in_flags(["--a_b=c_d", "x_y", "--", "--e_f"]) == ["--a-b=c_d", "x_y", "--", "--e_f"]

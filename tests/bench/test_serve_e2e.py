@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from deltaserve.bench.serve import load_tokenizer
+from deltaserve.bench.serve_config import ServeBenchConfig
 from deltaserve.entrypoints.cli import main
 from tests.entrypoints.server_fixture import API_KEY, free_port, start_server, stop_server
 
@@ -108,5 +110,32 @@ def test_bad_arguments_give_clear_errors(tiny_dir, capsys):
                           (["serve", "--request-rate", "0"], "--request-rate must be > 0")):
         assert main(["bench", *argv, "--model", model]) == 2
         assert message in capsys.readouterr().err
-    assert main(["bench", "serve", "--model", "not-a-dir", "--port", str(port)]) == 2
-    assert "pass --tokenizer DIR" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="pass --tokenizer DIR"):  # a served model whose directory is elsewhere
+        load_tokenizer(ServeBenchConfig(model="tiny"), {"id": "tiny", "root": "/no/such/checkpoint"})
+
+
+def test_vllm_style_invocations(server, tmp_path):
+    """What a vllm bench serve user types: no --model (the served model, its tokenizer from `root` in /v1/models),
+    --backend openai-chat on random prompts (sent as text), vLLM's general and sampling flags, --append-result (one
+    JSON line per run, latencies kept without --save-detailed), and --backend vllm with a linear ramp-up (vLLM's
+    file name and keys)."""
+    common = ["--log-level", "WARNING", "bench", "serve", "--base-url", server.url, "--header",
+              f"Authorization=Bearer {API_KEY}", "--disable-tqdm", "--no-plots", "--result-dir", str(tmp_path)]
+    chat = [*common, "--backend", "openai-chat", "--input_len", "24", "--output-len", "3", "--num-prompts", "3",
+            "--temperature", "0.7", "--repetition-penalty", "1.1", "--logprobs", "1", "--append-result",
+            "--result-filename", "appended.json"]
+    assert main(chat) == 0 and main(chat) == 0
+    runs = [json.loads(line) for line in (tmp_path / "appended.json").read_text().splitlines()]
+    assert len(runs) == 2
+    for res in runs:
+        assert (res["backend"], res["completed"], res["total_output_tokens"]) == ("openai-chat", 3, 9)
+        assert res["model_id"] == "tiny" and Path(res["tokenizer_id"]).is_dir() and res["rtfx"] == 0.0
+        assert len(res["latencies"]) == 3 and "ttfts" not in res
+    ramp = [*common, "--backend", "vllm", "--random-input-len", "16", "--random-output-len", "2", "--num-prompts",
+            "4", "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "20", "--ramp-up-end-rps", "40",
+            "--save-result"]
+    assert main(ramp) == 0
+    (path,) = tmp_path.glob("vllm-ramp-up-linear-20qps-40qps-tiny-*.json")
+    res = json.loads(path.read_text())
+    assert (res["ramp_up_strategy"], res["ramp_up_start_rps"], res["ramp_up_end_rps"]) == ("linear", 20, 40)
+    assert res["completed"] == 4 and res["backend"] == "vllm"

@@ -20,7 +20,7 @@ from deltaserve.bench.metrics import (
     parse_percentiles,
     peak_output_tokens_per_s,
 )
-from deltaserve.bench.serve import arrival_delays
+from deltaserve.bench.serve import arrival_delays, request_rates
 
 
 def _ok(start: float, ttft: float, itl: list[float], tokens: int, prompt: int = 10, queue: float = 0.0):
@@ -138,6 +138,18 @@ def test_arrival_delays_follow_vllm():
     assert np.std(bursty) > 2 * np.std(smooth)  # gamma shape < 1 is burstier
 
 
+def test_ramp_up_raises_the_rate_over_the_run():
+    """vLLM's ramp-up: request i arrives at rate start + (end - start) * i / (n - 1) (linear) or
+    start * (end / start) ** (i / (n - 1)) (exponential); with uniform gaps the delays are the cumulated 1 / rate,
+    not rescaled."""
+    assert request_rates(3, float("inf"), ("linear", 1.0, 5.0)).tolist() == [1.0, 3.0, 5.0]
+    assert request_rates(3, float("inf"), ("exponential", 1.0, 16.0)).tolist() == [1.0, 4.0, 16.0]
+    assert arrival_delays(3, float("inf"), float("inf"), 0, ("linear", 1.0, 5.0)) == pytest.approx(
+        [1.0, 1.0 + 1 / 3, 1.0 + 1 / 3 + 1 / 5])
+    gaps = np.diff(arrival_delays(4000, float("inf"), 1.0, 3, ("linear", 1.0, 50.0)))
+    assert np.mean(gaps[:400]) > 5 * np.mean(gaps[-400:])  # gamma gaps with mean 1 / rate shrink as the rate grows
+
+
 def test_console_table_has_vllm_lines():
     """The summary uses vLLM's row labels and prints only the selected metrics and percentiles."""
     res, _ = compute_metrics([A, B, C], 2.0, percentiles=[99], goodput={"ttft": 300})
@@ -147,6 +159,11 @@ def test_console_table_has_vllm_lines():
                   "Mean TTFT (ms):", "P99 ITL (ms):", "P10 per-user decode (tok/s):", "Maximum request concurrency:"):
         assert label in text
     assert "TPOT" not in text.replace("(1 / TPOT)", "") and "E2EL" not in text
+    assert "Total token throughput (tok/s):" in text  # current vLLM's spelling (the old script had "Token")
+    queue = format_table(res | {"mean_client_queue_time_ms": 1.0, "median_client_queue_time_ms": 1.0,
+                                "p99_client_queue_time_ms": 2.0},
+                         selected=["client_queue_time"], percentiles=[99])
+    assert "Client-side Queueing" in queue and "P99 Client Queue Time (ms):" in queue
 
 
 def _sse(*events: dict | str) -> bytes:

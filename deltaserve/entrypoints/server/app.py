@@ -137,7 +137,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         _authorize(frontend, request)
         return JSONResponse({"object": "list", "data": [{
             "id": frontend.model_name, "object": "model", "created": int(time.time()), "owned_by": "deltaserve",
-            "max_model_len": frontend.max_model_len}]})
+            "root": frontend.model_root, "parent": None, "max_model_len": frontend.max_model_len}]})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:

@@ -116,8 +116,10 @@ class Frontend:
 
     def __init__(self, client: AsyncEngineClient, tokenizer: Tokenizer, chat_format: ChatFormat,
                  config: ServerConfig, metrics: ServerMetrics, model_name: str, max_num_seqs: int,
-                 structured_backend: StructuredOutputBackend) -> None:
+                 structured_backend: StructuredOutputBackend, model_root: str = "") -> None:
         self.client = client
+        self.model_root = model_root
+        """The checkpoint directory (vLLM's `root` in /v1/models: a client on this host can load its tokenizer)."""
         self.tokenizer = tokenizer
         self.chat_format = chat_format
         self.config = config

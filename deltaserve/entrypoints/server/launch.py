@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import uvicorn
 
@@ -28,7 +29,8 @@ async def build_frontend(engine_config: EngineConfig, server_config: ServerConfi
     logger.info("starting the engine process for %s (chat format %s)", engine_config.model, chat_format.name)
     client = await AsyncEngineClient.start(engine_config)
     return Frontend(client, tokenizer, chat_format, server_config, ServerMetrics(name), name,
-                    max_num_seqs=engine_config.scheduler.max_num_seqs, structured_backend=structured)
+                    max_num_seqs=engine_config.scheduler.max_num_seqs, structured_backend=structured,
+                    model_root=str(Path(engine_config.model).resolve()))
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> None:
