@@ -6,6 +6,7 @@ Token-id datasets (sent as `"prompt": [ids]` to /v1/completions, so lengths are 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -80,8 +81,8 @@ def ordinary_id_bound(tokenizer: Tokenizer) -> int:
 
 
 def _lengths(rng: np.random.Generator, n: int, mean: int, range_ratio: float) -> list[int]:
-    """vLLM's random lengths: uniform integers in [mean·(1 - r), mean·(1 + r)], at least 1."""
-    lo, hi = int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
+    """vLLM's random lengths: uniform integers in [floor(mean·(1 - r)), ceil(mean·(1 + r))], at least 1."""
+    lo, hi = math.floor(mean * (1 - range_ratio)), math.ceil(mean * (1 + range_ratio))
     return [max(1, int(x)) for x in rng.integers(lo, hi + 1, size=n)]
 
 

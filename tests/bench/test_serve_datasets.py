@@ -43,6 +43,9 @@ def test_random_prompts_have_exact_lengths_and_ordinary_ids(tokenizer):
     ranged = ds.random_requests(200, input_len=100, output_len=10, range_ratio=0.5, id_bound=bound, seed=0)
     assert all(50 <= r.prompt_len <= 150 and 5 <= r.output_len <= 15 for r in ranged)
     assert len({r.prompt_len for r in ranged}) > 20
+    # vLLM's bounds: floor of the low end, ceil of the high end (7 * 1.1 = 7.7 -> 8 may be drawn, 7 * 0.9 -> 6).
+    odd = ds.random_requests(400, input_len=7, output_len=7, range_ratio=0.1, id_bound=bound, seed=1)
+    assert {r.prompt_len for r in odd} == {6, 7, 8}
 
 
 def test_prefix_repetition_shares_each_prefix_evenly():
