@@ -150,7 +150,7 @@ def test_unknown_routes_and_methods_get_error_bodies(server):
     resp = httpx.get(f"{server.url}{COMPLETIONS}", headers=server.headers())
     assert _openai_error(resp, 405)["type"] == "invalid_request_error"
     _openai_error(_post(server, "/v1/nope", {}), 404)
-    resp = _post(server, "/v1/messages/count_tokens", {})
+    resp = _post(server, "/v1/messages/batches", {})
     assert resp.status_code == 404 and resp.json()["type"] == "error", resp.text
 
 

@@ -42,6 +42,8 @@ def client(server) -> openai.OpenAI:
 
 def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    root = httpx.get(f"{server.url}/v1/models", headers=server.headers()).json()["data"][0]["root"]
+    assert root == str(server.model_dir.resolve())  # vLLM's field: where a client on this host finds the tokenizer
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
-from deltaserve.entrypoints.anthropic.protocol import ContentBlock, MessagesRequest
+from deltaserve.entrypoints.anthropic.protocol import ContentBlock, CountTokensRequest, MessagesRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, chat_processors
@@ -34,7 +35,7 @@ def _block_text(blocks: str | list[ContentBlock] | None, param: str) -> str:
     return "".join(out)
 
 
-def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
+def to_chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
     """Anthropic system + messages -> the renderers' neutral messages (tool_result blocks become tool messages)."""
     out = []
     if body.system:
@@ -71,52 +72,75 @@ def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class MessagesPrompt:
+    """A Messages request's prompt and the tool and answer settings it was rendered with."""
+
+    prompt_ids: list[int]
+    tools: list[ToolSpec]
+    forced: str | None
+    forcing: bool
+    thinking: bool
+    answer: StructuredOutput | None
+    tools_active: bool
+
+
+def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> MessagesPrompt:
+    """Validate a Messages request's tools, tool_choice, thinking and output format and render its prompt (shared
+    by /v1/messages and /v1/messages/count_tokens)."""
+    fmt = frontend.chat_format
+    frontend.check_model(body.model)
+    tools = [ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
+             for t in body.tools or ()]
+    tc = body.tool_choice
+    choice, forced = ("auto" if tools else "none"), None
+    if tc is not None:
+        if tc.type == "tool":
+            if not tc.name or tc.name not in {t.name for t in tools}:
+                raise bad_request(f"tool_choice names the tool {tc.name!r}, which is not in tools")
+            choice = forced = tc.name
+        elif tc.type == "any":
+            if not tools:
+                raise bad_request("tool_choice 'any' needs at least one tool")
+            choice = "required"
+        else:
+            choice = tc.type
+    thinking = fmt.default_thinking if body.thinking is None else body.thinking.type != "disabled"
+    forcing = choice == "required" or forced is not None
+    answer = None
+    if body.output_config is not None and body.output_config.format is not None:
+        if forcing:
+            raise bad_request("output_config.format cannot be combined with a tool_choice that forces a tool call")
+        answer = StructuredOutput("json_schema", json.dumps(body.output_config.format.schema_))
+    try:
+        prompt_ids = fmt.render(to_chat_messages(body), tools=tools, thinking=thinking,
+                                tool_choice=choice if tc is not None else None, response_format=answer)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+    return MessagesPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
+                          answer=answer, tools_active=bool(tools) and choice != "none")
+
+
 class MessagesPlan:
     """Prompt ids and sampling params of one /v1/messages request."""
 
     def __init__(self, frontend: Frontend, body: MessagesRequest) -> None:
         fmt = frontend.chat_format
-        frontend.check_model(body.model)
-        tools = [ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
-                 for t in body.tools or ()]
-        tc = body.tool_choice
-        choice, forced = ("auto" if tools else "none"), None
-        if tc is not None:
-            if tc.type == "tool":
-                if not tc.name or tc.name not in {t.name for t in tools}:
-                    raise bad_request(f"tool_choice names the tool {tc.name!r}, which is not in tools")
-                choice = forced = tc.name
-            elif tc.type == "any":
-                if not tools:
-                    raise bad_request("tool_choice 'any' needs at least one tool")
-                choice = "required"
-            else:
-                choice = tc.type
-        self.thinking = fmt.default_thinking if body.thinking is None else body.thinking.type != "disabled"
-        self.tools_active = bool(tools) and choice != "none"
-        forcing = choice == "required" or forced is not None
-        answer = None
-        if body.output_config is not None and body.output_config.format is not None:
-            if forcing:
-                raise bad_request("output_config.format cannot be combined with a tool_choice that forces a tool "
-                                  "call")
-            answer = StructuredOutput("json_schema", json.dumps(body.output_config.format.schema_))
-        try:
-            self.prompt_ids = fmt.render(to_chat_messages(body), tools=tools, thinking=self.thinking,
-                                         tool_choice=choice if tc is not None else None, response_format=answer)
-        except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+        prompt = render_messages_prompt(frontend, body)
+        self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
         if body.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {body.max_tokens}")
         max_tokens = frontend.resolve_max_tokens(len(self.prompt_ids), body.max_tokens)
         structured = None
-        if forcing:
+        if prompt.forcing:
+            tc = body.tool_choice
             parallel = not (tc is not None and tc.disable_parallel_tool_use)
-            structured = fmt.tool_call_grammar(tools, name=forced, parallel=parallel, thinking=self.thinking)
-            frontend.validate_tool_grammar(tools, structured, param="tools", name=forced)
-        elif answer is not None:
-            frontend.validate_structured(answer, param="output_config.format")
-            structured = fmt.constrain(answer, thinking=self.thinking)
+            structured = fmt.tool_call_grammar(prompt.tools, name=prompt.forced, parallel=parallel,
+                                               thinking=prompt.thinking)
+            frontend.validate_tool_grammar(prompt.tools, structured, param="tools", name=prompt.forced)
+        elif prompt.answer is not None:
+            frontend.validate_structured(prompt.answer, param="output_config.format")
+            structured = fmt.constrain(prompt.answer, thinking=prompt.thinking)
         values: dict[str, Any] = {"max_tokens": max_tokens, "stop": tuple(body.stop_sequences or ()),
                                   "structured": structured}
         for name in ("temperature", "top_p", "top_k"):
@@ -263,3 +287,8 @@ async def _events(frontend: Frontend, plan: MessagesPlan, message_id: str,
         yield f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n"
     finally:
         await stream.aclose()  # aborts the sequence when the client went away mid-stream
+
+
+async def count_tokens(frontend: Frontend, body: CountTokensRequest) -> dict[str, Any]:
+    """POST /v1/messages/count_tokens: the prompt's token count, rendered exactly as /v1/messages would."""
+    return {"input_tokens": len(render_messages_prompt(frontend, body).prompt_ids)}

@@ -57,19 +57,26 @@ class OutputConfig(_Model):
     format: OutputFormat | None = None
 
 
-class MessagesRequest(_Model):
+class CountTokensRequest(_Model):
+    """POST /v1/messages/count_tokens: what shapes the prompt of a Messages request."""
+
     model: str
-    max_tokens: int
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[ContentBlock] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    """Structured output: `{"format": {"type": "json_schema", "schema": {...}}}`."""
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages."""
+
+    max_tokens: int
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
-    tools: list[ToolDef] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
-    output_config: OutputConfig | None = None
-    """Structured output: `{"format": {"type": "json_schema", "schema": {...}}}`."""

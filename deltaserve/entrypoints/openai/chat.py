@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
@@ -58,58 +59,84 @@ def _text(content: Any, *, param: str) -> str:
     return "".join(parts)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat request's prompt and the tool and answer settings it was rendered with."""
+
+    prompt_ids: list[int]
+    tools: list[ToolSpec]
+    forced: str | None
+    """The function a named tool_choice forces, if any."""
+    forcing: bool
+    """A tool call is forced (tool_choice "required" or named)."""
+    thinking: bool
+    answer: StructuredOutput | None
+    """The response_format / structured_outputs constraint (never with forcing)."""
+    tools_active: bool
+
+
+def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_generation_prompt: bool = True
+                       ) -> ChatPrompt:
+    """Validate a chat request's messages, tools, tool_choice and formats and render its prompt (shared by
+    /v1/chat/completions and /tokenize)."""
+    fmt = frontend.chat_format
+    frontend.check_model(body.model)
+    tools = [ToolSpec(name=t.function.name, description=t.function.description or "",
+                      parameters=t.function.parameters or {"type": "object", "properties": {}})
+             for t in body.tools or ()]
+    choice = body.tool_choice or ("auto" if tools else "none")
+    forced = None
+    if isinstance(choice, NamedToolChoice):
+        forced = choice.function.name
+        if forced not in {t.name for t in tools}:
+            raise bad_request(f"tool_choice names the function {forced!r}, which is not in tools",
+                              param="tool_choice")
+        choice = forced
+    elif choice == "required" and not tools:
+        raise bad_request("tool_choice 'required' needs at least one tool", param="tool_choice")
+    kwargs = body.chat_template_kwargs or {}
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking", fmt.default_thinking))
+    if not isinstance(thinking, bool):
+        raise bad_request("chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
+    forcing = choice == "required" or forced is not None
+    declared = _response_format(body.response_format)
+    answer = body.structured_extra() or declared
+    if forcing and answer is not None:
+        # vLLM's rule too: the forced call's grammar and an answer format cannot both constrain one output.
+        raise bad_request("response_format / structured_outputs cannot be combined with a tool_choice that "
+                          "forces a tool call", param="response_format")
+    try:
+        # The format declares what the request set in the prompt as its template does (K3: internal messages;
+        # "none" only when the client sent it); vLLM's structured_outputs only constrain the sampler.
+        prompt_ids = fmt.render(to_chat_messages(body.messages), tools=tools, thinking=thinking,
+                                add_generation_prompt=add_generation_prompt,
+                                tool_choice=choice if body.tool_choice is not None else None,
+                                response_format=declared)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    return ChatPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
+                      answer=answer, tools_active=bool(tools) and choice != "none")
+
+
 class ChatPlan:
     """Everything decided before generation: prompt ids, sampling params, parser settings."""
 
     def __init__(self, frontend: Frontend, body: ChatCompletionRequest) -> None:
         fmt = frontend.chat_format
-        frontend.check_model(body.model)
-        tools = [ToolSpec(name=t.function.name, description=t.function.description or "",
-                          parameters=t.function.parameters or {"type": "object", "properties": {}})
-                 for t in body.tools or ()]
-        choice = body.tool_choice or ("auto" if tools else "none")
-        forced = None
-        if isinstance(choice, NamedToolChoice):
-            forced = choice.function.name
-            if forced not in {t.name for t in tools}:
-                raise bad_request(f"tool_choice names the function {forced!r}, which is not in tools",
-                                  param="tool_choice")
-            choice = forced
-        elif choice == "required" and not tools:
-            raise bad_request("tool_choice 'required' needs at least one tool", param="tool_choice")
-        kwargs = body.chat_template_kwargs or {}
-        thinking = kwargs.get("thinking", kwargs.get("enable_thinking", fmt.default_thinking))
-        if not isinstance(thinking, bool):
-            raise bad_request("chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
-        self.thinking = thinking
-        self.tools_active = bool(tools) and choice != "none"
-        forcing = choice == "required" or forced is not None
-        declared = _response_format(body.response_format)
-        answer = body.structured_extra() or declared
-        if forcing and answer is not None:
-            # vLLM's rule too: the forced call's grammar and an answer format cannot both constrain one output.
-            raise bad_request("response_format / structured_outputs cannot be combined with a tool_choice that "
-                              "forces a tool call", param="response_format")
-        try:
-            # The format declares what the request set in the prompt as its template does (K3: internal messages;
-            # "none" only when the client sent it); vLLM's structured_outputs only constrain the sampler.
-            self.prompt_ids = fmt.render(to_chat_messages(body.messages), tools=tools, thinking=thinking,
-                                         tool_choice=choice if body.tool_choice is not None else None,
-                                         response_format=declared)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from exc
+        prompt = render_chat_prompt(frontend, body)
+        self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = frontend.resolve_max_tokens(
             len(self.prompt_ids), requested,
             param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         structured = None
-        if forcing:
-            structured = fmt.tool_call_grammar(tools, name=forced, parallel=body.parallel_tool_calls,
-                                               thinking=thinking)
-            frontend.validate_tool_grammar(tools, structured, param="tools", name=forced)
-        elif answer is not None:
-            frontend.validate_structured(answer, param="response_format")
-            structured = fmt.constrain(answer, thinking=thinking)
+        if prompt.forcing:
+            structured = fmt.tool_call_grammar(prompt.tools, name=prompt.forced, parallel=body.parallel_tool_calls,
+                                               thinking=prompt.thinking)
+            frontend.validate_tool_grammar(prompt.tools, structured, param="tools", name=prompt.forced)
+        elif prompt.answer is not None:
+            frontend.validate_structured(prompt.answer, param="response_format")
+            structured = fmt.constrain(prompt.answer, thinking=prompt.thinking)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:

@@ -187,3 +187,27 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a text prompt (vLLM's API)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    """Accepted for vLLM compatibility; Kimi tokenizers add no special tokens to a plain prompt either way."""
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """POST /tokenize with chat messages: the prompt /v1/chat/completions would build (vLLM's API)."""
+
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's API)."""
+
+    model: str | None = None
+    tokens: list[int]

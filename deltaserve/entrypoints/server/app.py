@@ -19,14 +19,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deltaserve.entrypoints.anthropic.messages import create_message, create_message_stream
-from deltaserve.entrypoints.anthropic.protocol import MessagesRequest
+from deltaserve.entrypoints.anthropic.messages import count_tokens, create_message, create_message_stream
+from deltaserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from deltaserve.entrypoints.openai.chat import chat_completion, chat_completion_stream
 from deltaserve.entrypoints.openai.completions import completion, completion_stream
-from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from deltaserve.entrypoints.openai.tokenize import TOKENIZE_REQUEST, detokenize, tokenize
 from deltaserve.entrypoints.server.errors import ApiError, validation_message
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.entrypoints.server.json_body import parse_json_object
@@ -74,18 +75,18 @@ def _authorize(frontend: Frontend, request: Request) -> None:
                        code="invalid_api_key")
 
 
-async def _handle(frontend: Frontend, request: Request, route: str, model: type[BaseModel],
+async def _handle(frontend: Frontend, request: Request, route: str, model: type[BaseModel] | TypeAdapter,
                   run: Callable[[Frontend, Any], Awaitable[dict[str, Any]]],
-                  run_stream: Callable[[Frontend, Any], Awaitable[AsyncIterator[str]]]) -> Response:
+                  run_stream: Callable[[Frontend, Any], Awaitable[AsyncIterator[str]]] | None = None) -> Response:
     try:
         _authorize(frontend, request)
         data = await _read_json(request, frontend.config.max_request_bytes)
         try:
-            body = model.model_validate(data)
+            body = model.validate_python(data) if isinstance(model, TypeAdapter) else model.model_validate(data)
         except ValidationError as exc:
             message, param = validation_message(exc.errors())
             raise ApiError(422 if _is_type_error(exc) else 400, message, param=param) from exc
-        if getattr(body, "stream", False):
+        if run_stream is not None and getattr(body, "stream", False):
             events = await run_stream(frontend, body)
             frontend.metrics.observe_http(route, 200)
             return StreamingResponse(events, media_type="text/event-stream",
@@ -99,6 +100,25 @@ async def _handle(frontend: Frontend, request: Request, route: str, model: type[
     except ApiError as err:
         frontend.metrics.observe_http(route, err.status)
         return _error_response(request, err)
+
+
+POST_ROUTES: dict[str, tuple[Any, Callable[..., Awaitable[dict[str, Any]]], Callable[..., Any] | None]] = {
+    "/v1/completions": (CompletionRequest, completion, completion_stream),
+    "/v1/chat/completions": (ChatCompletionRequest, chat_completion, chat_completion_stream),
+    "/v1/messages": (MessagesRequest, create_message, create_message_stream),
+    "/v1/messages/count_tokens": (CountTokensRequest, count_tokens, None),
+    "/tokenize": (TOKENIZE_REQUEST, tokenize, None),
+    "/detokenize": (DetokenizeRequest, detokenize, None),
+}
+"""Path -> (request model, the handler, the streaming handler or None) of every JSON POST route."""
+
+
+def _post_route(frontend: Frontend, path: str, model: Any, run: Callable[..., Awaitable[dict[str, Any]]],
+                run_stream: Callable[..., Any] | None) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await _handle(frontend, request, path, model, run, run_stream)
+
+    return endpoint
 
 
 def build_app(frontend: Frontend) -> FastAPI:
@@ -119,18 +139,8 @@ def build_app(frontend: Frontend) -> FastAPI:
         logger.exception("unhandled error on %s", request.url.path)
         return _error_response(request, ApiError(500, f"internal server error: {type(exc).__name__}"))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _handle(frontend, request, "/v1/completions", CompletionRequest, completion, completion_stream)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _handle(frontend, request, "/v1/chat/completions", ChatCompletionRequest, chat_completion,
-                             chat_completion_stream)
-
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return await _handle(frontend, request, "/v1/messages", MessagesRequest, create_message, create_message_stream)
+    for path, (model, run, run_stream) in POST_ROUTES.items():
+        app.add_api_route(path, _post_route(frontend, path, model, run, run_stream), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -1,0 +1,33 @@
+"""vLLM's POST /tokenize and /detokenize: the token ids of a text prompt or of the prompt a chat request renders,
+and the text of token ids, with the server's own tokenizer and chat format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from deltaserve.entrypoints.openai.chat import render_chat_prompt
+from deltaserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from deltaserve.entrypoints.server.frontend import Frontend
+
+TOKENIZE_REQUEST = TypeAdapter(TokenizeChatRequest | TokenizeCompletionRequest)
+"""A body with `messages` is a chat request, one with `prompt` a text prompt."""
+
+
+async def tokenize(frontend: Frontend, body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
+    """`{"count", "max_model_len", "tokens", "token_strs"}` as vLLM answers (token_strs only when asked)."""
+    if isinstance(body, TokenizeChatRequest):
+        ids = render_chat_prompt(frontend, body, add_generation_prompt=body.add_generation_prompt).prompt_ids
+    else:
+        frontend.check_model(body.model)
+        ids = frontend.tokenizer.encode(body.prompt)
+    strs = [frontend.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": frontend.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+async def detokenize(frontend: Frontend, body: DetokenizeRequest) -> dict[str, Any]:
+    """`{"prompt": text}` (empty for no ids); ids outside the vocabulary are a 400 naming `tokens`."""
+    frontend.check_model(body.model)
+    ids = frontend.check_prompt_ids(body.tokens, param="tokens") if body.tokens else []
+    return {"prompt": frontend.tokenizer.decode(ids)}

@@ -1,0 +1,68 @@
+"""vLLM's /tokenize and /detokenize and Anthropic's /v1/messages/count_tokens on a live server: the counts are the
+prompts the generation routes build (checked against their usage), and bad input is a 4xx."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from deltaserve.text.tokenizer import Tokenizer
+from tests.entrypoints.server_fixture import API_KEY
+from tests.entrypoints.test_server_anthropic import TOOLS
+from tests.entrypoints.test_server_errors import _openai_error, _post
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
+OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                  "parameters": t["input_schema"]}} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server) -> Tokenizer:
+    return Tokenizer.from_pretrained(server.model_dir)
+
+
+def test_tokenize_text_and_detokenize(server, tokenizer):
+    """A text prompt gives the tokenizer's ids (and token strings when asked); /detokenize inverts it."""
+    text = "The scheduler decides which requests run"
+    res = _post(server, "/tokenize", {"model": "tiny", "prompt": text, "return_token_strs": True}).json()
+    assert res["tokens"] == tokenizer.encode(text) and res["count"] == len(res["tokens"])
+    assert res["max_model_len"] == 2048 and "".join(res["token_strs"]).replace("Ġ", " ") == text
+    assert _post(server, "/tokenize", {"prompt": text}).json()["token_strs"] is None  # model is optional
+    assert _post(server, "/detokenize", {"model": "tiny", "tokens": res["tokens"]}).json() == {"prompt": text}
+    assert _post(server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+
+
+def test_tokenize_chat_is_the_chat_prompt(server):
+    """With messages (and tools), /tokenize counts exactly the prompt tokens /v1/chat/completions reports; without
+    the generation prompt it is shorter."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    usage = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=OPENAI_TOOLS, max_tokens=1).usage
+    body = {"model": "tiny", "messages": MESSAGES, "tools": OPENAI_TOOLS}
+    res = _post(server, "/tokenize", body).json()
+    assert res["count"] == usage.prompt_tokens == len(res["tokens"])
+    assert _post(server, "/tokenize", {**body, "add_generation_prompt": False}).json()["count"] < res["count"]
+
+
+def test_count_tokens_with_the_anthropic_sdk(server):
+    """messages.count_tokens gives the input_tokens that messages.create reports for the same request."""
+    client = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+    request = {"model": "tiny", "system": "Be brief.", "tools": TOOLS,
+               "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+    counted = client.messages.count_tokens(**request)
+    assert counted.input_tokens == client.messages.create(max_tokens=1, **request).usage.input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(**{**request, "model": "other"})
+
+
+def test_tokenize_errors_are_4xx(server):
+    """Out-of-vocabulary ids, a body with neither prompt nor messages, another model, a bad tool_choice."""
+    _openai_error(_post(server, "/detokenize", {"tokens": [10**9]}), 400, "tokens")
+    _openai_error(_post(server, "/detokenize", {"tokens": "abc"}), 422)
+    _openai_error(_post(server, "/tokenize", {"model": "tiny"}), 422)
+    _openai_error(_post(server, "/tokenize", {"model": "other", "prompt": "x"}), 404)
+    _openai_error(_post(server, "/tokenize", {"messages": MESSAGES, "tool_choice": "required"}), 400, "tool_choice")
+    resp = _post(server, "/v1/messages/count_tokens", {"model": "tiny", "messages": []})
+    assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text
+    assert httpx.get(f"{server.url}/tokenize").status_code == 405
