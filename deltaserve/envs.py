@@ -11,9 +11,9 @@ def api_key() -> str | None:
 
 
 def client_api_key() -> str | None:
-    """The key benchmark clients send: `OPENAI_API_KEY` (what `vllm bench serve` reads), else
-    `DELTASERVE_API_KEY`."""
-    return os.environ.get("OPENAI_API_KEY") or api_key()
+    """The key benchmark clients send: `DELTASERVE_API_KEY`, else `OPENAI_API_KEY` (what `vllm bench serve`
+    reads). Ours first, so that a real OpenAI key in the environment is not sent to a local server."""
+    return api_key() or os.environ.get("OPENAI_API_KEY") or None
 
 
 def mxfp8_activations() -> bool:

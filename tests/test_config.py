@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -136,8 +137,20 @@ def test_engine_arguments_of_the_wrong_type_name_the_field(make, needle):
 
     with pytest.raises(ValueError, match=re.escape(needle)):
         make(config)
-    assert config.SchedulerConfig(watchdog_timeout_s=5).watchdog_timeout_s == 5
-    assert config.CacheConfig(cache_memory=2**30, checkpoint_memory=0.5).cache_memory == 2**30
+
+
+def test_engine_arguments_of_a_compatible_type_are_normalised():
+    """numpy integers and floats (a common source of sizes) become int / float, a Path model a str; an int is a
+    float and memory sizes may be numbers."""
+    import numpy as np
+
+    from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    cache = CacheConfig(block_size=np.int64(16), cache_memory=2**30, checkpoint_memory=np.float64(0.5))
+    assert (type(cache.block_size), cache.cache_memory, type(cache.checkpoint_memory)) == (int, 2**30, float)
+    assert SchedulerConfig(watchdog_timeout_s=5).watchdog_timeout_s == 5.0
+    engine = EngineConfig(model=Path("/ckpt"), seed=np.uint64(7), max_model_len=None)
+    assert (engine.model, engine.seed, type(engine.seed)) == ("/ckpt", 7, int)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -9,58 +9,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from deltaserve.bench.arrivals import arrival_delays
 from deltaserve.bench.datasets import AGENTIC_TOOLS, AgenticSession, Dataset, SampleRequest, build_dataset
 from deltaserve.bench.metrics import (
-    METRICS,
     RequestOutcome,
-    compute_metrics,
     format_table,
-    parse_goodput,
     parse_metric_names,
     parse_percentiles,
 )
 from deltaserve.bench.serve_config import ServeBenchConfig, add_config_args, config_from_args
+from deltaserve.bench.serve_result import assemble_result, save_result, warn_unexpected_hits
 
-DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "errors")
-"""Per-request arrays saved only with --save-detailed (vLLM keeps latencies and queue_times in every file)."""
+if TYPE_CHECKING:
+    import httpx
 
-
-def request_rates(n: int, rate: float, ramp_up: tuple[str, float, float] | None = None) -> np.ndarray:
-    """The arrival rate at each request: `rate`, or vLLM's ramp-up from start to end over the request index
-    (linear, or exponential: start * (end / start) ** progress)."""
-    if ramp_up is None:
-        return np.full(n, rate)
-    strategy, start, end = ramp_up
-    progress = np.arange(n) / max(n - 1, 1)
-    return start + (end - start) * progress if strategy == "linear" else start * (end / start) ** progress
-
-
-def arrival_delays(n: int, rate: float, burstiness: float, seed: int,
-                   ramp_up: tuple[str, float, float] | None = None) -> list[float]:
-    """vLLM's send times (s after the start): gamma gaps (shape = burstiness, mean 1 / the request's rate),
-    cumulated; without ramp-up rescaled so that the last request departs at exactly n / rate. All zeros for an
-    infinite rate."""
-    rates = request_rates(n, rate, ramp_up)
-    if np.isinf(rates).all():
-        return [0.0] * n
-    if burstiness == float("inf"):
-        gaps = 1.0 / rates
-    else:
-        gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rates * burstiness))
-    cum = np.cumsum(gaps)
-    if ramp_up is None and cum[-1] > 0:
-        cum = cum * (n / rate) / cum[-1]
-    return cum.tolist()
+    from deltaserve.text.tokenizer import Tokenizer
 
 
 class Progress:
@@ -102,9 +71,9 @@ def request_headers(cfg: ServeBenchConfig) -> dict[str, str]:
     return headers
 
 
-def load_tokenizer(cfg: ServeBenchConfig, served: dict[str, Any]):
-    """The tokenizer of --tokenizer, else of --model when it is a checkpoint directory, else of the served model's
-    directory (`root` in /v1/models, as vLLM reports it) when that exists on this machine."""
+def load_tokenizer(cfg: ServeBenchConfig, served: dict[str, Any]) -> tuple[Tokenizer, str]:
+    """(tokenizer, the directory it came from): --tokenizer, else --model when it is a checkpoint directory, else
+    the served model's directory (`root` in /v1/models, as vLLM reports it) when that exists on this machine."""
     from deltaserve.text.tokenizer import Tokenizer
 
     root = served.get("root")
@@ -112,9 +81,10 @@ def load_tokenizer(cfg: ServeBenchConfig, served: dict[str, Any]):
                   root if isinstance(root, str) and root and Path(root).is_dir() else None)
     path = next((c for c in candidates if c), None)
     if path is None:
-        raise ValueError(f"a tokenizer is needed to build prompts and the server's model directory {root!r} is not "
-                         "on this machine: pass --tokenizer DIR (a checkpoint directory), or --model DIR")
-    return Tokenizer.from_pretrained(path)
+        where = f"its model directory {root!r} is not on this machine" if root else "it reports no model directory"
+        raise ValueError(f"a tokenizer is needed to build prompts and the server cannot lend one ({where}): pass "
+                         "--tokenizer DIR (a checkpoint directory), or --model DIR")
+    return Tokenizer.from_pretrained(path), path
 
 
 def resolve_model(cfg: ServeBenchConfig, models: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
@@ -154,7 +124,8 @@ def chat_body(cfg: ServeBenchConfig, model: str, messages: list[dict[str, Any]],
 class Runner:
     """Sends one dataset to one server and collects the outcomes (in dataset order; sessions turn by turn)."""
 
-    def __init__(self, cfg: ServeBenchConfig, client, model: str, headers: dict[str, str], tokenizer=None) -> None:
+    def __init__(self, cfg: ServeBenchConfig, client: httpx.AsyncClient, model: str, headers: dict[str, str],
+                 tokenizer: Tokenizer) -> None:
         from deltaserve.bench import endpoint  # httpx: imported only when a benchmark runs
 
         self.endpoint = endpoint
@@ -269,7 +240,7 @@ async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:
                                  verify=not cfg.insecure) as client:
         models = await endpoint.wait_ready(client, cfg.url, headers, cfg.ready_check_timeout_sec)
         model, served = resolve_model(cfg, models)
-        tokenizer = load_tokenizer(cfg, served)
+        tokenizer, tokenizer_id = load_tokenizer(cfg, served)
         data = build_dataset(cfg, tokenizer, max_model_len=int(served.get("max_model_len") or 1 << 20),
                              seed=cfg.seed)
         delays = send_delays(cfg, data, cfg.seed)
@@ -286,7 +257,7 @@ async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:
         after = await endpoint.scrape_counters(client, cfg.url, headers)
     result = assemble_result(cfg, model, data, outcomes, duration,
                              count_tokens=lambda text: len(tokenizer.encode(text, allow_special=False)),
-                             tokenizer_id=cfg.tokenizer or cfg.model or served.get("root"))
+                             tokenizer_id=tokenizer_id)
     result |= endpoint.counter_metrics(before, after)
     result["prefix_cache_flushed"] = flushed
     warn_unexpected_hits(cfg, result)
@@ -307,93 +278,6 @@ def traffic_lines(cfg: ServeBenchConfig) -> str:
     distribution = "Poisson process" if cfg.burstiness == 1.0 else "Gamma distribution"
     return (f"{rate}\nBurstiness factor: {cfg.burstiness} ({distribution})\n"
             f"Maximum request concurrency: {cfg.max_concurrency}")
-
-
-def warn_unexpected_hits(cfg: ServeBenchConfig, result: dict[str, Any]) -> None:
-    """Random prompts without a shared prefix cannot hit the prefix cache unless the server saw them before (an
-    earlier run with the same --seed): such a run measures cached prefills, so say so."""
-    rate = result.get("prefix_cache_hit_rate")
-    if cfg.dataset_name == "random" and cfg.random_prefix_len == 0 and rate:
-        print(f"warning: {rate:.1%} of prompt tokens were prefix-cache hits although random prompts share nothing: "
-              "the server has seen these prompts before (same --seed as an earlier run?); use another --seed or "
-              "restart the server", file=sys.stderr)
-
-
-def assemble_result(cfg: ServeBenchConfig, model: str, data: Dataset, outcomes: list[RequestOutcome],
-                    duration: float, count_tokens=None, tokenizer_id: str | None = None) -> dict[str, Any]:
-    """vLLM's result layout (setup keys, then the metrics), our additions, the full configuration, and the
-    per-request arrays (dropped on save unless --save-detailed)."""
-    selected = parse_metric_names(cfg.percentile_metrics or "ttft,tpot,itl")
-    queue_metrics = [m for m in selected if m not in METRICS and cfg.max_concurrency is not None
-                     and (m == "client_queue_time" or cfg.request_rate != float("inf"))]
-    metrics, output_lens = compute_metrics(outcomes, duration, percentiles=parse_percentiles(cfg.metric_percentiles),
-                                           goodput=parse_goodput(cfg.goodput), queue_metrics=queue_metrics,
-                                           count_tokens=count_tokens)
-    result: dict[str, Any] = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": cfg.backend or cfg.backend_name,
-        "backend": cfg.backend or cfg.backend_name, "label": cfg.label, "model_id": cfg.model or model,
-        "tokenizer_id": tokenizer_id or cfg.tokenizer or cfg.model, "num_prompts": cfg.num_prompts,
-    }
-    for item in cfg.metadata or ():
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--metadata {item!r}: expected KEY=VALUE")
-        result[key.strip()] = value.strip()
-    result |= {"request_rate": cfg.request_rate if cfg.request_rate < float("inf") else "inf",
-               "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency}
-    if cfg.ramp_up_strategy is not None:
-        result |= {"ramp_up_strategy": cfg.ramp_up_strategy, "ramp_up_start_rps": cfg.ramp_up_start_rps,
-                   "ramp_up_end_rps": cfg.ramp_up_end_rps}
-    result |= metrics
-    result["rtfx"] = 0.0  # vLLM's real-time factor of audio transcription; always 0 for text generation
-    result |= {"dataset_name": cfg.dataset_name, "served_model_name": model, "goodput_slos": parse_goodput(cfg.goodput),
-               **data.info, "config": jsonable(dataclasses.asdict(cfg))}
-    result |= {"input_lens": [o.prompt_len for o in outcomes], "output_lens": output_lens,
-               "ttfts": [o.ttft for o in outcomes], "itls": [o.itl for o in outcomes],
-               "latencies": [o.latency for o in outcomes], "start_times": [o.start_time for o in outcomes],
-               "queue_times": [o.queue_time for o in outcomes],
-               "generated_texts": [o.generated_text for o in outcomes], "errors": [o.error for o in outcomes]}
-    failed = next((o.error for o in outcomes if not o.success), None)
-    if failed:
-        print(f"===== failed requests: {result['failed']}; first error: {failed} =====", file=sys.stderr)
-    return result
-
-
-def jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: ("inf" if v == float("inf") else v) for k, v in d.items()}
-
-
-def result_path(cfg: ServeBenchConfig, result: dict[str, Any]) -> Path:
-    """vLLM's file name `{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json` under --result-dir."""
-    name = cfg.result_filename
-    if name is None:
-        base = str(result["model_id"]).rstrip("/").split("/")[-1]
-        conc = f"-concurrency{cfg.max_concurrency}" if cfg.max_concurrency is not None else ""
-        name = f"{cfg.label or cfg.backend or cfg.backend_name}-{cfg.rate_label}{conc}-{base}-{result['date']}.json"
-    return Path(cfg.result_dir or ".") / name
-
-
-def save_result(cfg: ServeBenchConfig, result: dict[str, Any]) -> Path:
-    """Write the JSON (per-request arrays only with --save-detailed), appended as one more line with
-    --append-result, and, with --plots, the TTFT / ITL PNG."""
-    path = result_path(cfg, result)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    saved = {k: v for k, v in result.items() if cfg.save_detailed or k not in DETAILED_KEYS}
-    with path.open("a" if cfg.append_result else "w", encoding="utf-8") as f:
-        if cfg.append_result and f.tell():
-            f.write("\n")  # vLLM's appended file: one JSON object per line
-        f.write(json.dumps(saved))
-    print(f"wrote {path}")
-    if cfg.plots:
-        from deltaserve.bench.plots import plot_distributions
-
-        ok = [i for i, e in enumerate(result["errors"]) if not e]
-        png = plot_distributions([result["ttfts"][i] * 1000 for i in ok],
-                                 [g * 1000 for i in ok for g in result["itls"][i]], path.with_suffix(".png"),
-                                 f"{cfg.dataset_name}, {result['served_model_name']}, rate {result['request_rate']}, "
-                                 f"concurrency {cfg.max_concurrency}")
-        print(f"wrote {png}")
-    return path
 
 
 def run(cfg: ServeBenchConfig) -> dict[str, Any]:

@@ -195,6 +195,11 @@ class ServeBenchConfig:
                 raise ValueError("--ramp-up-start-rps / --ramp-up-end-rps need --ramp-up-strategy")
             return
         start, end = self.ramp_up_start_rps, self.ramp_up_end_rps
+        if self.ramp_up_strategy not in ("linear", "exponential"):
+            raise ValueError(f"--ramp-up-strategy must be linear or exponential, got {self.ramp_up_strategy!r}")
+        if self.uses_timestamps:
+            raise ValueError("--ramp-up-strategy does not apply when requests are sent at trace timestamps "
+                             "(add --no-self-timed)")
         if self.request_rate != float("inf"):
             raise ValueError("with --ramp-up-strategy the rate comes from --ramp-up-start-rps / --ramp-up-end-rps; "
                              "remove --request-rate")

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from deltaserve.bench import serve
+from deltaserve.bench import serve, serve_result
 from deltaserve.bench.serve_config import ServeBenchConfig, add_config_args, config_from_args
 
 SUMMARY_KEYS = ("max_concurrency", "num_prompts", "completed", "failed", "duration", "request_throughput",
@@ -124,7 +124,7 @@ async def run_sweep_async(base: ServeBenchConfig, sweep: SweepConfig) -> dict[st
     return {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "model_id": base.model or served[0],
             "served_model_name": served[0], "dataset_name": base.dataset_name,
             "points": sorted(points, key=lambda r: r["max_concurrency"]), "admission": search,
-            "config": serve.jsonable(dataclasses.asdict(base)), "sweep": dataclasses.asdict(sweep)}
+            "config": serve_result.jsonable(dataclasses.asdict(base)), "sweep": dataclasses.asdict(sweep)}
 
 
 def format_sweep(summary: dict[str, Any]) -> str:

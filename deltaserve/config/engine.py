@@ -34,7 +34,8 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per MLA KV block."""
     cache_memory: str | float = "2GiB"
-    """Memory for both pools: bytes ('2GiB', '512MB') or a fraction of free memory ('0.5')."""
+    """Memory for both pools: bytes ('2GiB', '512MB', or a number) or a fraction of free memory ('0.5', or a float
+    up to 1.0)."""
     num_blocks: int | None = None
     """Override the planner: exactly this many KV blocks."""
     num_state_slots: int | None = None

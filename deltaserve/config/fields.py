@@ -4,6 +4,8 @@ error names the field it is about."""
 from __future__ import annotations
 
 import math
+import numbers
+import os
 import types
 import typing
 from dataclasses import fields
@@ -72,13 +74,37 @@ class ConfigFields:
 
 def check_field_types(config: object) -> None:
     """ValueError naming the field whose value is not of its annotated type (``block_size="16"``, ``seed=1.5``),
-    instead of a comparison or torch error later. bool is not an int here; an int is a float."""
+    instead of a comparison or torch error later. Values of a compatible kind are normalised in place: numpy and
+    other integers to int (bool is not an int here), reals to float where a float is expected (an int is one),
+    and path-likes to str. Fields typed otherwise (generics, Literal, nested configs) are checked by class only."""
     hints = typing.get_type_hints(type(config))
     for f in fields(config):  # type: ignore[arg-type]
         hint, value = hints[f.name], getattr(config, f.name)
-        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        if float in allowed:
-            allowed = (*allowed, int)
-        if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+        members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        allowed = tuple(typing.get_origin(t) or t for t in members)
+        if not all(isinstance(t, type) for t in allowed):
+            continue  # Literal and the like: the config's own checks apply
+        normalised = _normalise(value, allowed)
+        if normalised is _INVALID:
             names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
             raise ValueError(f"{f.name} must be {names}, got {value!r:.60}")
+        if normalised is not value:
+            object.__setattr__(config, f.name, normalised)
+
+
+_INVALID = object()
+
+
+def _normalise(value: Any, allowed: tuple[type, ...]) -> Any:
+    """`value` as one of the `allowed` types, or _INVALID if it is none of them."""
+    if isinstance(value, bool):
+        return value if bool in allowed else _INVALID
+    if isinstance(value, allowed) and not (isinstance(value, numbers.Number) and type(value) not in allowed):
+        return value
+    if isinstance(value, numbers.Integral) and int in allowed:
+        return int(value)
+    if isinstance(value, numbers.Real) and float in allowed:
+        return float(value)
+    if isinstance(value, os.PathLike) and str in allowed:
+        return os.fspath(value)
+    return _INVALID

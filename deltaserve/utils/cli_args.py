@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -65,14 +66,18 @@ def check_at_least_one(args: Any, *names: str) -> None:
 
 
 def dashes_in_flags(argv: list[str]) -> list[str]:
-    """`--num_prompts` read as `--num-prompts`, as vLLM's parser does: underscores in option names become dashes
-    (values, and anything after `--`, are kept)."""
+    """`--num_prompts` read as `--num-prompts`, as vLLM's parser does: underscores in option names become dashes.
+    Only tokens shaped like an option (`--name` or `--name=value`, no spaces in the name) change; values such as a
+    prompt "--snake_case is here", and anything after `--`, are kept."""
     out: list[str] = []
     for i, arg in enumerate(argv):
         if arg == "--":
             return out + argv[i:]
-        if arg.startswith("--"):
-            name, sep, value = arg.partition("=")
+        name, sep, value = arg.partition("=")
+        if _OPTION_NAME.fullmatch(name):
             arg = name.replace("_", "-") + sep + value
         out.append(arg)
     return out
+
+
+_OPTION_NAME = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_-]*")

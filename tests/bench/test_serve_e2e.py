@@ -112,6 +112,8 @@ def test_bad_arguments_give_clear_errors(tiny_dir, capsys):
         assert message in capsys.readouterr().err
     with pytest.raises(ValueError, match="pass --tokenizer DIR"):  # a served model whose directory is elsewhere
         load_tokenizer(ServeBenchConfig(model="tiny"), {"id": "tiny", "root": "/no/such/checkpoint"})
+    with pytest.raises(ValueError, match="reports no model directory"):  # another server's /v1/models
+        load_tokenizer(ServeBenchConfig(), {"id": "tiny"})
 
 
 def test_vllm_style_invocations(server, tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from deltaserve.bench import endpoint
+from deltaserve.bench.arrivals import arrival_delays, request_rates
 from deltaserve.bench.metrics import (
     RequestOutcome,
     compute_metrics,
@@ -20,7 +21,6 @@ from deltaserve.bench.metrics import (
     parse_percentiles,
     peak_output_tokens_per_s,
 )
-from deltaserve.bench.serve import arrival_delays, request_rates
 
 
 def _ok(start: float, ttft: float, itl: list[float], tokens: int, prompt: int = 10, queue: float = 0.0):

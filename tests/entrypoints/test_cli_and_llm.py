@@ -45,16 +45,17 @@ def test_generate_reports_bad_model_dir_cleanly(tmp_path):
     (("serve", "--checkpoint-memory", "0"), "checkpoint_memory='0'"),
     (("generate", "--prompt", "x", "--cache-memory", "1000GiB"), "GiB are free"),
     (("make-tiny", "/etc/passwd"), "File exists"),
-    (("make-tiny", "/tmp/never-written", "--routed-scaling-factor", "nan"), "routed_scaling_factor must be a finite"),
-    (("make-tiny", "/tmp/never-written", "--shard-bytes", "-1"), "shard_bytes must be >= 0"),
+    (("make-tiny", "{tmp}/out", "--routed-scaling-factor", "nan"), "routed_scaling_factor must be a finite"),
+    (("make-tiny", "{tmp}/out", "--shard-bytes", "-1"), "shard_bytes must be >= 0"),
     (("bench", "offline", "--num-prompts", "0"), "--num-prompts must be >= 1"),
     (("bench", "http", "--port", "99999"), "--port must be in 1..65535"),
 ])
-def test_bad_settings_are_one_line_errors(args, needle):
+def test_bad_settings_are_one_line_errors(args, needle, tmp_path):
     """Start-up settings that cannot work (a cache larger than memory included: allocating it would take the
-    machine down) are a one-line error and exit code 2, not a traceback."""
-    res = run_cli(*args)
+    machine down) are a one-line error and exit code 2, not a traceback; make-tiny writes nothing then."""
+    res = run_cli(*(a.format(tmp=tmp_path) for a in args))
     assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_make_tiny_help_comes_from_field_docs():

@@ -127,9 +127,16 @@ def test_forced_tool_call_and_an_answer_format_are_a_400(server, fmt):
     tools = [{"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}]
     body = {"model": "tiny", "messages": USER, "max_tokens": 4, "tools": tools, **fmt}
     for choice in ("required", {"type": "function", "function": {"name": "g"}}):
-        err = _openai_error(_post(server, CHAT, {**body, "tool_choice": choice}), 400, "response_format")
+        err = _openai_error(_post(server, CHAT, {**body, "tool_choice": choice}), 400, next(iter(fmt)))
         assert "tool_choice" in err["message"]
     assert _post(server, CHAT, {**body, "tool_choice": "auto"}).status_code == 200
+
+
+def test_response_format_and_structured_outputs_together_are_a_400(server):
+    """The prompt would announce one format while the sampler enforced the other."""
+    body = {"model": "tiny", "messages": USER, "max_tokens": 4, "response_format": {"type": "json_object"},
+            "structured_outputs": {"regex": "[a-z]+"}}
+    assert "not both" in _openai_error(_post(server, CHAT, body), 400, "structured_outputs")["message"]
 
 
 def test_union_type_errors_name_the_nested_field(server):
@@ -139,7 +146,8 @@ def test_union_type_errors_name_the_nested_field(server):
                 {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": [1, 2]}]}]
     resp = _post(server, "/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": messages})
     assert resp.status_code == 422, resp.text
-    assert resp.json()["error"]["message"].startswith("messages.1.content.0.input: Input should be a valid dict")
+    message = resp.json()["error"]["message"]
+    assert message == "messages.1.content.0.input: Input should be a valid dictionary"  # the str member: same field
     bad_part = [{"role": "user", "content": [{"type": "text", "text": 5}]}]
     err = _openai_error(_post(server, CHAT, {"model": "tiny", "messages": bad_part}), 422, "messages.0.content.0.text")
     assert "valid string" in err["message"]

@@ -75,7 +75,8 @@ def test_neutral_penalties_leave_row_bit_identical(gen):
 @pytest.mark.parametrize("penalty", [1e-320, 1e-300, 1e-30, 1e30, 1e300])
 def test_extreme_penalties_and_temperature_keep_rows_finite(penalty):
     """A repetition penalty that over- or underflows fp32 (or a near-greedy temperature) leaves finite logits finite
-    and masked ones at -inf, so the row still samples its penalised argmax, never NaN."""
+    and masked ones at -inf: no NaN row. Entries that overflow are clamped to the same largest float, so a row with
+    one such entry (as here) still samples it; several would tie."""
     logits = torch.tensor([[2.0, -1.0, 0.0, 3.0, NEG_INF, 1.0]])
     seen = torch.tensor([[1, 1, 1, 0, 1, 0]])
     out = apply_penalties(logits, seen, torch.zeros_like(seen), torch.tensor([penalty]), torch.zeros(1),

@@ -99,12 +99,14 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_gene
     if not isinstance(thinking, bool):
         raise bad_request("chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
     forcing = choice == "required" or forced is not None
-    declared = _response_format(body.response_format)
-    answer = body.structured_extra() or declared
+    declared, extra = _response_format(body.response_format), body.structured_extra()
+    if declared is not None and extra is not None:
+        raise bad_request("give either response_format or structured_outputs, not both", param="structured_outputs")
+    answer = extra or declared
     if forcing and answer is not None:
         # vLLM's rule too: the forced call's grammar and an answer format cannot both constrain one output.
         raise bad_request("response_format / structured_outputs cannot be combined with a tool_choice that "
-                          "forces a tool call", param="response_format")
+                          "forces a tool call", param="structured_outputs" if extra else "response_format")
     try:
         # The format declares what the request set in the prompt as its template does (K3: internal messages;
         # "none" only when the client sent it); vLLM's structured_outputs only constrain the sampler.

@@ -49,9 +49,15 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     and the union members pydantic puts in the path (``str``, ``list[ContentBlock]``) are left out of it.
     """
     first = max(errors, key=lambda e: len(e.get("loc", ())))
-    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_member(p)) or None
-    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    param = _field_path(first)
+    # A union's other members fail at the same field or an ancestor of it ("content" is not a string either).
+    others = {p for p in map(_field_path, errors) if p != param and not (param or "").startswith(f"{p}.")}
+    more = f" (and errors in {len(others)} more fields)" if others else ""
     return f"{param}: {first.get('msg', 'invalid value')}{more}" if param else first.get("msg", "invalid"), param
+
+
+def _field_path(error: dict[str, Any]) -> str | None:
+    return ".".join(str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_member(p)) or None
 
 
 def _is_union_member(part: object) -> bool:
