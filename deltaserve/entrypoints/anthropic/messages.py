@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
@@ -18,6 +17,7 @@ from deltaserve.entrypoints.anthropic.protocol import ContentBlock, CountTokensR
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, chat_processors
+from deltaserve.entrypoints.server.prompt import RenderedPrompt
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 
@@ -72,20 +72,7 @@ def to_chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class MessagesPrompt:
-    """A Messages request's prompt and the tool and answer settings it was rendered with."""
-
-    prompt_ids: list[int]
-    tools: list[ToolSpec]
-    forced: str | None
-    forcing: bool
-    thinking: bool
-    answer: StructuredOutput | None
-    tools_active: bool
-
-
-def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> MessagesPrompt:
+def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> RenderedPrompt:
     """Validate a Messages request's tools, tool_choice, thinking and output format and render its prompt (shared
     by /v1/messages and /v1/messages/count_tokens)."""
     fmt = frontend.chat_format
@@ -117,7 +104,7 @@ def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> Mess
                                 tool_choice=choice if tc is not None else None, response_format=answer)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
-    return MessagesPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
+    return RenderedPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
                           answer=answer, tools_active=bool(tools) and choice != "none")
 
 

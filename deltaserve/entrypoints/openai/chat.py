@@ -10,7 +10,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
@@ -24,6 +23,7 @@ from deltaserve.entrypoints.openai.protocol import (
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, chat_processors
+from deltaserve.entrypoints.server.prompt import RenderedPrompt
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 
@@ -59,24 +59,8 @@ def _text(content: Any, *, param: str) -> str:
     return "".join(parts)
 
 
-@dataclass(frozen=True, slots=True)
-class ChatPrompt:
-    """A chat request's prompt and the tool and answer settings it was rendered with."""
-
-    prompt_ids: list[int]
-    tools: list[ToolSpec]
-    forced: str | None
-    """The function a named tool_choice forces, if any."""
-    forcing: bool
-    """A tool call is forced (tool_choice "required" or named)."""
-    thinking: bool
-    answer: StructuredOutput | None
-    """The response_format / structured_outputs constraint (never with forcing)."""
-    tools_active: bool
-
-
 def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_generation_prompt: bool = True
-                       ) -> ChatPrompt:
+                       ) -> RenderedPrompt:
     """Validate a chat request's messages, tools, tool_choice and formats and render its prompt (shared by
     /v1/chat/completions and /tokenize)."""
     fmt = frontend.chat_format
@@ -116,7 +100,7 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_gene
                                 response_format=declared)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from exc
-    return ChatPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
+    return RenderedPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
                       answer=answer, tools_active=bool(tools) and choice != "none")
 
 
