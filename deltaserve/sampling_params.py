@@ -72,6 +72,11 @@ class SamplingParams:
     """Drop special tokens from the output text."""
     structured: StructuredOutput | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex or a grammar."""
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """(token id, bias) pairs added to the logits before penalties and sampling (OpenAI's logit_bias: -100 bans a
+    token, 100 all but forces it). A dict {token id: bias} is accepted."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be sampled (vLLM's allowed_token_ids); None allows all."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +108,26 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not -(2**63) <= self.seed < 2**64):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        self._check_token_lists()
+
+    def _check_token_lists(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        if not isinstance(bias, (list, tuple, type({}.items()))):
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r:.60}")
+        pairs = []
+        for pair in bias:
+            token, value = pair if isinstance(pair, (list, tuple)) and len(pair) == 2 else (None, None)
+            if not _is_token_id(token):
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {token!r:.40}")
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r:.40}")
+            pairs.append((token, float(value)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_token_id(t) for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r:.60}")
+            object.__setattr__(self, "allowed_token_ids", tuple(ids))
 
     def _check_floats(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -142,6 +167,10 @@ def child_seed(seed: int | None, index: int) -> int | None:
     if seed is None:
         return None
     return seed + index - 2**64 if seed + index >= 2**64 else seed + index
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_MAX
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

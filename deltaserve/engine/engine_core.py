@@ -141,6 +141,9 @@ class EngineCore:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         self.validate_prompt(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if params.allowed_token_ids is not None and not any(t < vocab for t in params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids has no token in the vocabulary [0, {vocab})")
         if self.structured.is_pending(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)

@@ -71,8 +71,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
            ) -> SamplerOutput:
     """Pick one token per row.
 
-    Order (vLLM v1): stop tokens masked for rows below ``min_tokens``; the grammar bitmask of constrained rows
-    (should the two leave a row nothing, the grammar alone wins); repetition, frequency and presence penalties;
+    Order (vLLM v1): stop tokens masked for rows below ``min_tokens`` and every token outside
+    ``allowed_token_ids``; the grammar bitmask of constrained rows (should the min_tokens mask and the grammar
+    leave a row nothing, the grammar alone wins); ``logit_bias``; repetition, frequency and presence penalties;
     greedy rows (temperature below 1e-5) take the argmax; the others divide by their temperature, apply min-p and
     top-k, then top-p, and sample by exponential race. A seeded row's token depends only on its own logits row and
     generator.
@@ -88,9 +89,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [N, V] with N = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
     raw = logits
-    logits = _mask_stop_tokens(logits, rows)
+    logits = _mask_disallowed(_mask_stop_tokens(logits, rows), rows)
     if token_bitmask is not None and token_bitmask.row_indices:
         logits = _apply_token_bitmask(raw, logits, token_bitmask)
+    logits = _apply_logit_bias(logits, rows)
     logits = _apply_penalties(logits, rows)
     token_ids = logits.argmax(dim=-1)  # [N]
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -115,6 +117,34 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     row_idx, token_idx = torch.tensor(pairs, device=logits.device).T
     return logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
                                                                device=logits.device))
+
+
+def _mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf for every token outside a row's allowed_token_ids (rows without the setting untouched)."""
+    restricted = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not restricted:
+        return logits
+    vocab_size, device = logits.shape[1], logits.device
+    keep = torch.zeros(len(restricted), vocab_size, dtype=torch.bool)
+    for k, i in enumerate(restricted):
+        keep[k, [t for t in rows[i].params.allowed_token_ids if t < vocab_size]] = True
+    idx = torch.tensor(restricted, device=device)
+    masked = logits.index_select(0, idx).masked_fill(~keep.to(device), float("-inf"))
+    return logits.index_copy(0, idx, masked)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: each (token, bias) pair of a row added to that row's logit (ids past the vocabulary
+    ignored, as stop_token_ids are)."""
+    vocab_size = logits.shape[1]
+    entries = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias
+               if token < vocab_size]
+    if not entries:
+        return logits
+    row_idx, token_idx, bias = zip(*entries, strict=True)
+    device = logits.device
+    return logits.index_put((torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device)),
+                            torch.tensor(bias, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def _apply_token_bitmask(raw: torch.Tensor, logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:

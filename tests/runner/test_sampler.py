@@ -89,6 +89,23 @@ def test_extreme_penalties_and_temperature_keep_rows_finite(penalty):
     assert sample(logits.expand(3, -1), rows).token_ids[:2] == [favoured, favoured]
 
 
+def test_logit_bias_is_added_before_penalties_and_allowed_ids_restrict():
+    """logit_bias adds to the raw logit, then the repetition penalty divides it (vLLM's order); ids past the
+    vocabulary are ignored. allowed_token_ids leave every other token at -inf, sampled or greedy."""
+    logits = torch.tensor([BASE_ROW, BASE_ROW])  # argmax 2 (3.0)
+    rows = [make_row(temperature=0.0, logit_bias={5: 2.0, 99: 50.0}),  # 1.25 + 2 = 3.25 beats 3.0
+            make_row(prompt=[5], temperature=0.0, logit_bias={5: 2.0}, repetition_penalty=2.0)]  # 3.25 / 2
+    assert sample(logits, rows).token_ids == [5, 2]
+    banned = sample(logits, [make_row(temperature=0.0, logit_bias={2: -100.0}), make_row(temperature=0.0)])
+    assert banned.token_ids == [0, 2]
+    allowed = [make_row(temperature=0.0, allowed_token_ids=[1, 4]),
+               make_row(generator=seeded(1), allowed_token_ids=[3, 4], top_k=1)]
+    assert sample(logits, allowed).token_ids == [1, 3]
+    draws = {sample(logits[:1], [make_row(generator=seeded(s), allowed_token_ids=[3, 5])]).token_ids[0]
+             for s in range(40)}
+    assert draws == {3, 5}  # both allowed tokens are drawn (p = 0.32 / 0.68), nothing else
+
+
 def test_greedy_is_argmax(gen):
     """Greedy rows without penalties return the argmax of their logits row."""
     logits = torch.randn(6, 51, generator=gen)

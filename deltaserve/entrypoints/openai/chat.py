@@ -111,6 +111,7 @@ class ChatPlan:
         fmt = frontend.chat_format
         prompt = render_chat_prompt(frontend, body)
         self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
+        self.tokens_as_ids = body.return_tokens_as_token_ids
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = frontend.resolve_max_tokens(
             len(self.prompt_ids), requested,
@@ -129,7 +130,7 @@ class ChatPlan:
             raise bad_request(f"top_logprobs must be between 0 and 20, got {body.top_logprobs}", param="top_logprobs")
         self.params: SamplingParams = body.sampling_params(
             max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            max_n=frontend.config.max_n, structured=structured)
+            max_n=frontend.config.max_n, vocab_size=frontend.client.info.vocab_size, structured=structured)
 
     def processors(self, frontend: Frontend):  # noqa: ANN201 - a SequenceProcessor factory
         return chat_processors(frontend, thinking=self.thinking, tools=self.tools_active)
@@ -168,8 +169,8 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
                                      for t in c.tool_calls]
         choices.append({
             "index": i, "message": message,
-            "logprobs": {"content": chat_logprobs(frontend.tokenizer, c.logprobs)} if plan.params.logprobs is not None
-            else None,
+            "logprobs": {"content": chat_logprobs(frontend.tokenizer, c.logprobs, plan.tokens_as_ids)}
+            if plan.params.logprobs is not None else None,
             "finish_reason": _finish(c.finish_reason, bool(c.tool_calls)),
         })
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": frontend.model_name,
@@ -216,7 +217,8 @@ async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: A
                 delta = {"role": "assistant", **delta}
             choice: dict[str, Any] = {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": None}
             if plan.params.logprobs is not None and update.logprobs:
-                choice["logprobs"] = {"content": chat_logprobs(frontend.tokenizer, update.logprobs)}
+                choice["logprobs"] = {"content": chat_logprobs(frontend.tokenizer, update.logprobs,
+                                                               plan.tokens_as_ids)}
             if update.finish_reason is not None:
                 c = acc.choices[update.index]
                 choice["finish_reason"] = _finish(update.finish_reason, bool(c.tool_calls))

@@ -52,7 +52,9 @@ class CompletionPlan:
             else:
                 max_tokens = frontend.resolve_max_tokens(len(ids), body.max_tokens, prompt_param="prompt")
             self.params.append(body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs,
-                                                    max_n=frontend.config.max_n, structured=structured))
+                                                    max_n=frontend.config.max_n,
+                                                    vocab_size=frontend.client.info.vocab_size,
+                                                    structured=structured))
         self.n = body.n
         self.echo = body.echo
 
@@ -115,7 +117,8 @@ async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, A
         prefix = plan.texts[i // plan.n] if plan.echo else ""
         choices.append({"index": i, "text": prefix + c.content, "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_string,
-                        "logprobs": completion_logprobs(frontend.tokenizer, c.logprobs, len(prefix))
+                        "logprobs": completion_logprobs(frontend.tokenizer, c.logprobs, len(prefix),
+                                                        body.return_tokens_as_token_ids)
                         if body.logprobs is not None else None})
     prompt_tokens = sum(len(p) for p in plan.prompts)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()),
@@ -145,7 +148,8 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
             if not text and u.finish_reason is None:
                 continue
             choice = {"index": u.index, "text": text, "finish_reason": u.finish_reason, "stop_reason": u.stop_string,
-                      "logprobs": completion_logprobs(frontend.tokenizer, u.logprobs)
+                      "logprobs": completion_logprobs(frontend.tokenizer, u.logprobs,
+                                                      as_ids=body.return_tokens_as_token_ids)
                       if body.logprobs is not None else None}
             event: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
                                      "model": frontend.model_name, "choices": [choice]}

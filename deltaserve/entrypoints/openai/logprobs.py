@@ -8,37 +8,42 @@ from typing import Any
 from deltaserve.text.tokenizer import Tokenizer
 
 
-def _token(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
+def _token(tokenizer: Tokenizer, token_id: int, as_id: bool = False) -> tuple[str, list[int]]:
+    """(the token's text, its bytes); with `as_id`, vLLM's `return_tokens_as_token_ids` text "token_id:N"."""
     raw = tokenizer.decode_bytes([token_id])
-    return raw.decode("utf-8", errors="replace"), list(raw)
+    text = f"token_id:{token_id}" if as_id else raw.decode("utf-8", errors="replace")
+    return text, list(raw)
 
 
-def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[Any]) -> list[dict[str, Any]]:
-    """`[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`, one per token with logprobs."""
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[Any], as_ids: bool = False) -> list[dict[str, Any]]:
+    """`[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`, one per token with logprobs; tokens
+    as "token_id:N" with `as_ids`."""
     out = []
     for lp in entries:
         if lp is None:
             continue
-        text, raw = _token(tokenizer, lp.token_id)
+        text, raw = _token(tokenizer, lp.token_id, as_ids)
         top = []
         for tid, value in lp.top:
-            t, b = _token(tokenizer, tid)
+            t, b = _token(tokenizer, tid, as_ids)
             top.append({"token": t, "logprob": value, "bytes": b})
         out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
     return out
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[Any], text_offset: int = 0) -> dict[str, Any]:
-    """Legacy completions logprobs: parallel lists of tokens, their logprobs, top alternatives and text offsets."""
+def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[Any], text_offset: int = 0,
+                        as_ids: bool = False) -> dict[str, Any]:
+    """Legacy completions logprobs: parallel lists of tokens, their logprobs, top alternatives and text offsets
+    (offsets count the tokens' text even when they are shown as "token_id:N" with `as_ids`)."""
     tokens, values, tops, offsets = [], [], [], []
     offset = text_offset
     for lp in entries:
         if lp is None:
             continue
-        text, _ = _token(tokenizer, lp.token_id)
+        text, raw = _token(tokenizer, lp.token_id, as_ids)
         tokens.append(text)
         values.append(lp.logprob)
-        tops.append({_token(tokenizer, tid)[0]: value for tid, value in lp.top} or None)
+        tops.append({_token(tokenizer, tid, as_ids)[0]: value for tid, value in lp.top} or None)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(bytes(raw).decode("utf-8", errors="replace"))
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -26,10 +26,12 @@ class StreamOptions(_Request):
 
 
 class StructuredOutputsParam(_Request):
-    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a Lark grammar or any JSON object."""
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a list of choices, a Lark grammar or any JSON
+    object."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
+    choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
 
@@ -60,13 +62,20 @@ class SamplingFields(_Request):
     structured_outputs: StructuredOutputsParam | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's: token id (as a string) -> bias in [-100, 100] added to its logit."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these token ids may be sampled."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name tokens "token_id:N" (exact ids, also for tokens that are not valid UTF-8 alone)."""
 
     def structured_extra(self) -> StructuredOutput | None:
         """vLLM's structured-output fields (`structured_outputs`, or the older `guided_*`), if any is set."""
         so = self.structured_outputs or StructuredOutputsParam(json=self.guided_json, regex=self.guided_regex,
-                                                               grammar=self.guided_grammar)
-        given = [k for k in ("json_schema", "regex", "grammar") if getattr(so, k) is not None] + (
+                                                               choice=self.guided_choice, grammar=self.guided_grammar)
+        given = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(so, k) is not None] + (
             ["json_object"] if so.json_object else [])
         if len(given) > 1:
             raise bad_request(f"give one structured output constraint, got {given}", param="structured_outputs")
@@ -75,23 +84,28 @@ class SamplingFields(_Request):
             return StructuredOutput("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
         if so.regex is not None:
             return StructuredOutput("regex", so.regex)
+        if so.choice is not None:
+            return StructuredOutput("lark", choice_grammar(so.choice))
         if so.grammar is not None:
             return StructuredOutput("lark", so.grammar)
         return StructuredOutput("json_object") if so.json_object else None
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None, max_n: int,
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None, max_n: int, vocab_size: int,
                         structured: StructuredOutput | None = None, skip_special_tokens: bool | None = None
                         ) -> SamplingParams:
         """SamplingParams from these fields; 400 naming the field for an invalid value."""
         if not 1 <= self.n <= max_n:
             raise bad_request(f"n must be between 1 and {max_n}, got {self.n}", param="n")
+        bias = _token_bias(self.logit_bias or {}, vocab_size)
+        if self.allowed_token_ids is not None and any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
+            raise bad_request(f"allowed_token_ids must be token ids in [0, {vocab_size})", param="allowed_token_ids")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         values: dict[str, Any] = {
             "n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens, "seed": self.seed,
             "stop": tuple(stop), "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,
             "logprobs": logprobs, "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
-            "structured": structured,
+            "structured": structured, "logit_bias": bias, "allowed_token_ids": self.allowed_token_ids,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -104,6 +118,23 @@ class SamplingFields(_Request):
             field = re.match(r"\w+", message)  # SamplingParams' messages start with the field's name
             param = field.group() if field and field.group() in values else None
             raise bad_request(message, param=param) from exc
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """vLLM's guided choice as a Lark grammar: the output is exactly one of `choices`."""
+    if not choices or not all(choices):
+        raise bad_request("choice must be a non-empty list of non-empty strings", param="structured_outputs")
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _token_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or not int(key) < vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r:.40}",
+                              param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 class CompletionRequest(SamplingFields):
