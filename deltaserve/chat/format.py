@@ -50,6 +50,7 @@ class ChatFormat(ABC):
         add_generation_prompt: bool = True,
         tool_choice: str | None = None,
         response_format: StructuredOutput | None = None,
+        thinking_effort: str | None = None,
     ) -> list[int]:
         """Token ids of the prompt for `messages`.
 
@@ -60,6 +61,8 @@ class ChatFormat(ABC):
             tool_choice: None / "auto", "none", "required" or a function name; formats with an internal
                 tool-choice message render it, others ignore it (the grammar enforces the choice).
             response_format: the answer constraint, for formats that announce it in the prompt (K3).
+            thinking_effort: "low", "medium", "high" or "max" for formats that announce it in thinking mode (K3;
+                None: the format's default); others ignore it.
 
         Raises:
             ValueError: thinking requested but unsupported by the tokenizer, or a malformed message.

@@ -90,8 +90,10 @@ class KimiK2Format(ChatFormat):
         add_generation_prompt: bool = True,
         tool_choice: str | None = None,
         response_format: StructuredOutput | None = None,
+        thinking_effort: str | None = None,
     ) -> list[int]:
-        """See `ChatFormat.render`; `tool_choice` and `response_format` do not change a K2 prompt."""
+        """See `ChatFormat.render`; `tool_choice`, `response_format` and `thinking_effort` do not change a K2
+        prompt."""
         think = self._think_ids() if thinking else None
         self._check_tool_choice(tool_choice, tools)
         ids = self.special_ids

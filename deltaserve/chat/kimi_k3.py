@@ -55,9 +55,11 @@ class KimiK3Format(ChatFormat):
         add_generation_prompt: bool = True,
         tool_choice: str | None = None,
         response_format: StructuredOutput | None = None,
+        thinking_effort: str | None = None,
     ) -> list[int]:
         """See `ChatFormat.render`. tool_choice "required" / "none" and a json_object / json_schema
-        `response_format` add K3's internal system messages; a named tool_choice adds none."""
+        `response_format` add K3's internal system messages; a named tool_choice adds none; `thinking_effort`
+        replaces the format's default one in thinking mode."""
         self._check_tool_choice(tool_choice, tools)
         doc = self.segments(
             messages,
@@ -66,6 +68,7 @@ class KimiK3Format(ChatFormat):
             add_generation_prompt=add_generation_prompt,
             tool_choice=tool_choice,
             response_format=response_format,
+            thinking_effort=thinking_effort,
         )
         return self.encode(doc)
 
@@ -78,14 +81,18 @@ class KimiK3Format(ChatFormat):
         add_generation_prompt: bool = True,
         tool_choice: str | None = None,
         response_format: StructuredOutput | None = None,
+        thinking_effort: str | None = None,
     ) -> xtml.Segments:
         """The XTML document `render` encodes (`str()` of it is the prompt text)."""
         doc = xtml.Segments()
         if tools:
             declared = xtml.compact_json(deep_sort([t.to_openai() for t in tools]))
             doc.message([("role", "system"), ("type", "tool-declare")], xtml.tool_declaration(declared))
-        if thinking and self.thinking_effort is not None:
-            doc.internal("thinking-effort", xtml.thinking_effort_text(self.thinking_effort))
+        effort = self.thinking_effort if thinking_effort is None else thinking_effort
+        if effort not in (None, *xtml.THINKING_EFFORTS):
+            raise ValueError(f"thinking_effort must be one of {xtml.THINKING_EFFORTS}, got {effort!r}")
+        if thinking and effort is not None:
+            doc.internal("thinking-effort", xtml.thinking_effort_text(effort))
         calls: Sequence[ToolCall] = ()
         tool_index = 0
         for message, resolved in resolve_tool_results(messages):

@@ -105,3 +105,18 @@ def test_anthropic_output_format_and_tool_choice_are_declared(k3):
         assert _usage_prompt_tokens(server, "/v1/messages", {**body, "max_tokens": 2}) == len(ids)
     resp = _post(server, "/v1/messages", {**forced, "max_tokens": 2, "output_config": schema_body["output_config"]})
     assert resp.status_code == 400 and "output_config.format" in resp.json()["error"]["message"], resp.text
+
+
+@pytest.mark.parametrize("extra, effort", [
+    ({}, None), ({"reasoning_effort": "low"}, "low"), ({"chat_template_kwargs": {"thinking_effort": "high"}}, "high"),
+])
+def test_reasoning_effort_is_the_k3_thinking_effort(k3, extra, effort):
+    """OpenAI's reasoning_effort (or chat_template_kwargs.thinking_effort) replaces the default "max" in K3's
+    thinking-effort message; an unknown effort is a 400."""
+    server, fmt = k3
+    ids = _chat_prompt(server, {"model": "tiny", "messages": USER, **extra})
+    assert ids == fmt.render(HI, thinking=True, thinking_effort=effort)
+    if effort is not None:
+        assert ids != fmt.render(HI, thinking=True)
+    resp = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": USER, "reasoning_effort": "extreme"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "reasoning_effort", resp.text

@@ -3,10 +3,13 @@ live server, and their bad values as 400s naming the field."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import openai
 import pytest
 
-from tests.entrypoints.server_fixture import API_KEY
+from tests.entrypoints.server_fixture import API_KEY, start_server, stop_server
 from tests.entrypoints.test_server_errors import USER, _openai_error, _post
 
 PROMPT = [5, 9, 33, 7]
@@ -74,3 +77,30 @@ def test_allowed_token_ids_and_guided_choice(server, client):
 def test_bad_sampling_controls_are_400(server, extra, param):
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **extra}
     _openai_error(_post(server, "/v1/completions", body), 400, param)
+
+
+def test_priority_orders_the_queue_on_a_priority_server(tiny_dir, tmp_path, server):
+    """vLLM's request priority: with --policy priority and room for one sequence, a request sent later with a lower
+    priority value finishes before an earlier one; on a first-come server a non-zero priority is a 400."""
+    _openai_error(_post(server, "/v1/completions", {"model": "tiny", "prompt": "hi", "priority": 1}), 400, "priority")
+    live = start_server(tiny_dir("base"), tmp_path, "--policy", "priority", "--max-num-seqs", "1")
+    try:
+        done: list[str] = []
+
+        def send(name: str, priority: int, tokens: int) -> None:
+            resp = _post(live, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens,
+                                                   "ignore_eos": True, "priority": priority})
+            assert resp.status_code == 200, resp.text
+            done.append(name)
+
+        with ThreadPoolExecutor(3) as pool:
+            blocker = pool.submit(send, "blocker", 0, 800)  # seconds of decoding on any CPU
+            time.sleep(0.5)  # the blocker holds the only sequence slot
+            late_low = pool.submit(send, "low", 5, 4)
+            time.sleep(0.2)
+            high = pool.submit(send, "high", -1, 4)
+            for f in (blocker, late_low, high):
+                f.result()
+        assert done == ["blocker", "high", "low"]
+    finally:
+        stop_server(live)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
+from deltaserve.chat.xtml import THINKING_EFFORTS
 from deltaserve.entrypoints.openai.logprobs import chat_logprobs
 from deltaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -82,6 +83,10 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_gene
     thinking = kwargs.get("thinking", kwargs.get("enable_thinking", fmt.default_thinking))
     if not isinstance(thinking, bool):
         raise bad_request("chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
+    effort = body.reasoning_effort if body.reasoning_effort is not None else kwargs.get("thinking_effort")
+    if effort is not None and effort not in THINKING_EFFORTS:
+        raise bad_request(f"reasoning_effort must be one of {', '.join(THINKING_EFFORTS)}, got {effort!r:.40}",
+                          param="reasoning_effort")
     forcing = choice == "required" or forced is not None
     declared, extra = _response_format(body.response_format), body.structured_extra()
     if declared is not None and extra is not None:
@@ -97,7 +102,7 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_gene
         prompt_ids = fmt.render(to_chat_messages(body.messages), tools=tools, thinking=thinking,
                                 add_generation_prompt=add_generation_prompt,
                                 tool_choice=choice if body.tool_choice is not None else None,
-                                response_format=declared)
+                                response_format=declared, thinking_effort=effort)
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from exc
     return RenderedPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
@@ -112,6 +117,7 @@ class ChatPlan:
         prompt = render_chat_prompt(frontend, body)
         self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
         self.tokens_as_ids = body.return_tokens_as_token_ids
+        self.priority = frontend.check_priority(body.priority)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = frontend.resolve_max_tokens(
             len(self.prompt_ids), requested,
@@ -153,7 +159,8 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(plan.params.n)
-    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend))
+    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend),
+                               priority=plan.priority)
     async for update in stream:
         acc.add(update)
     choices = []
@@ -182,7 +189,8 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
     plan = ChatPlan(frontend, body)
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend))
+    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend),
+                               priority=plan.priority)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return _events(frontend, plan, request_id, stream, include_usage)
 

@@ -57,6 +57,7 @@ class CompletionPlan:
                                                     structured=structured))
         self.n = body.n
         self.echo = body.echo
+        self.priority = frontend.check_priority(body.priority)
 
 
 async def _merge(streams: list[AsyncIterator[SequenceUpdate]], n: int) -> AsyncIterator[SequenceUpdate]:
@@ -101,7 +102,7 @@ async def _merge(streams: list[AsyncIterator[SequenceUpdate]], n: int) -> AsyncI
 def _start(frontend: Frontend, plan: CompletionPlan, request_id: str) -> AsyncIterator[SequenceUpdate]:
     frontend.check_capacity(plan.n * len(plan.prompts))
     streams = [frontend.generate(f"{request_id}-p{p}", ids, params,
-                                 lambda sp: TextProcessor(frontend.tokenizer, sp))
+                                 lambda sp: TextProcessor(frontend.tokenizer, sp), priority=plan.priority)
                for p, (ids, params) in enumerate(zip(plan.prompts, plan.params, strict=True))]
     return _merge(streams, plan.n)
 

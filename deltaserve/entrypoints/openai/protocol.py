@@ -68,6 +68,8 @@ class SamplingFields(_Request):
     """OpenAI's: token id (as a string) -> bias in [-100, 100] added to its logit."""
     allowed_token_ids: list[int] | None = None
     """vLLM's: only these token ids may be sampled."""
+    priority: int = 0
+    """vLLM's: lower is served first, on a server started with `--policy priority`."""
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name tokens "token_id:N" (exact ids, also for tokens that are not valid UTF-8 alone)."""
 
@@ -217,6 +219,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+    """OpenAI's; for Kimi K3, the thinking effort the prompt announces: low, medium, high or max."""
     chat_template_kwargs: dict[str, Any] | None = None
 
 

@@ -116,10 +116,13 @@ class Frontend:
 
     def __init__(self, client: AsyncEngineClient, tokenizer: Tokenizer, chat_format: ChatFormat,
                  config: ServerConfig, metrics: ServerMetrics, model_name: str, max_num_seqs: int,
-                 structured_backend: StructuredOutputBackend, model_root: str = "") -> None:
+                 structured_backend: StructuredOutputBackend, model_root: str = "",
+                 priority_scheduling: bool = False) -> None:
         self.client = client
         self.model_root = model_root
         """The checkpoint directory (vLLM's `root` in /v1/models: a client on this host can load its tokenizer)."""
+        self.priority_scheduling = priority_scheduling
+        """The engine orders its queue by request priority (`--policy priority`)."""
         self.tokenizer = tokenizer
         self.chat_format = chat_format
         self.config = config
@@ -211,8 +214,18 @@ class Frontend:
             raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param=param)
         return list(ids)
 
+    def check_priority(self, priority: int) -> int:
+        """vLLM's rule: a priority other than 0 needs a server started with priority scheduling (400 otherwise);
+        lower values are served first."""
+        if priority != 0 and not self.priority_scheduling:
+            raise bad_request("priority needs a server started with --policy priority", param="priority")
+        if not -(2**63) <= priority < 2**63:
+            raise bad_request(f"priority must be a 64-bit integer, got {priority}", param="priority")
+        return priority
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       make_processor: Callable[[SamplingParams], SequenceProcessor]) -> AsyncIterator[SequenceUpdate]:
+                       make_processor: Callable[[SamplingParams], SequenceProcessor], priority: int = 0
+                       ) -> AsyncIterator[SequenceUpdate]:
         """Run `params.n` sequences; yield their updates as they come, each sequence's last one with a reason.
 
         Raises ApiError (400 for a request the engine rejects, 503 when the engine died). Closing the iterator
@@ -226,7 +239,7 @@ class Frontend:
             rid = request_id if params.n == 1 else f"{request_id}-{j}"
             children.append((_Child(j, rid, make_processor(child)), child))
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(c, p, prompt_ids, queue)) for c, p in children]
+        tasks = [asyncio.create_task(self._pump(c, p, prompt_ids, queue, priority)) for c, p in children]
         first_token_time: float | None = None
         remaining = len(children)
         try:
@@ -271,9 +284,10 @@ class Frontend:
                     await task
 
     async def _pump(self, child: _Child, params: SamplingParams, prompt_ids: list[int],
-                    queue: asyncio.Queue) -> None:
+                    queue: asyncio.Queue, priority: int) -> None:
         """Forward one engine sequence's deltas into the shared queue (closing the stream aborts it)."""
-        stream = self.client.generate(child.request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids)
+        stream = self.client.generate(child.request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids,
+                                      priority=priority)
         try:
             async for delta in stream:
                 queue.put_nowait((child, delta))

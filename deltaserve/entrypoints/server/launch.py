@@ -30,7 +30,8 @@ async def build_frontend(engine_config: EngineConfig, server_config: ServerConfi
     client = await AsyncEngineClient.start(engine_config)
     return Frontend(client, tokenizer, chat_format, server_config, ServerMetrics(name), name,
                     max_num_seqs=engine_config.scheduler.max_num_seqs, structured_backend=structured,
-                    model_root=str(Path(engine_config.model).resolve()))
+                    model_root=str(Path(engine_config.model).resolve()),
+                    priority_scheduling=engine_config.scheduler.policy == "priority")
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> None:
