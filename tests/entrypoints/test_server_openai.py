@@ -228,3 +228,44 @@ def test_regex_constraint_on_completions_and_chat(client):
                                           max_tokens=20, temperature=0.9, seed=2,
                                           extra_body={"guided_regex": pattern})
     assert re.fullmatch(pattern, chat.choices[0].message.content)
+
+
+def test_continuous_usage_stats(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (completion tokens
+    never decrease, prompt tokens fixed); the last, choice-less chunk has the totals the non-streamed call reports."""
+    kwargs = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(messages=[{"role": "user", "content": "Count"}], **kwargs)
+    chunks = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Count"}], stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **kwargs))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages) and len(chunks) >= 3
+    assert {u.prompt_tokens for u in usages} == {plain.usage.prompt_tokens}
+    counts = [u.completion_tokens for u in usages]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == plain.usage.completion_tokens == 6
+    assert chunks[-1].choices == []
+    text = list(client.completions.create(model="tiny", prompt="Count", stream=True, max_tokens=4, temperature=0,
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                          extra_body={"ignore_eos": True}))
+    assert [c.usage.completion_tokens for c in text][-1] == 4 and all(c.usage is not None for c in text)
+
+
+def test_truncate_prompt_tokens_and_include_reasoning(client):
+    """vLLM's truncate_prompt_tokens keeps the last k prompt tokens (completions: the same output as sending them
+    alone; chat: of the rendered prompt); include_reasoning=False drops reasoning_content, not the reasoning."""
+    ids = list(range(40, 90))
+    kwargs = dict(model="tiny", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    cut = client.completions.create(prompt=ids, **{**kwargs, "extra_body": {"ignore_eos": True,
+                                                                            "truncate_prompt_tokens": 8}})
+    tail = client.completions.create(prompt=ids[-8:], **kwargs)
+    assert cut.usage.prompt_tokens == 8 and cut.choices[0].text == tail.choices[0].text
+    messages = [{"role": "user", "content": "Tell me a long story about a scheduler."}]
+    chat = client.chat.completions.create(messages=messages, **{**kwargs, "extra_body": {"truncate_prompt_tokens": 6}})
+    assert chat.usage.prompt_tokens == 6
+    thinking = {"chat_template_kwargs": {"thinking": True}, "ignore_eos": True}
+    shown = client.chat.completions.create(messages=messages, **{**kwargs, "extra_body": thinking})
+    hidden = client.chat.completions.create(messages=messages,
+                                            **{**kwargs, "extra_body": {**thinking, "include_reasoning": False}})
+    assert shown.choices[0].message.reasoning_content is not None
+    assert getattr(hidden.choices[0].message, "reasoning_content", None) is None
+    assert hidden.usage.completion_tokens == shown.usage.completion_tokens

@@ -86,4 +86,6 @@ def test_kept_memory_is_not_faulted_in_again():
     faults, allocated = _run(FAULTS, "keep")
     pages = allocated // 4096
     assert pages > 20_000
-    assert faults < pages / 20, (faults, pages)
+    # Default mode here: about one fault per page (26,009 for 26,112 pages). Kept: 0-1,536 seen (other allocations
+    # of the interpreter and torch's threads also fault), so the bound is a fifth.
+    assert faults < pages / 5, (faults, pages)

@@ -116,6 +116,9 @@ class ChatPlan:
         fmt = frontend.chat_format
         prompt = render_chat_prompt(frontend, body)
         self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
+        if body.truncate_prompt_tokens is not None:
+            self.prompt_ids = self.prompt_ids[-body.truncate_prompt_tokens:]
+        self.show_reasoning = prompt.thinking and body.include_reasoning
         self.tokens_as_ids = body.return_tokens_as_token_ids
         self.priority = frontend.check_priority(body.priority)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -168,7 +171,7 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
         c = acc.choices[i]
         message: dict[str, Any] = {"role": "assistant", "content": c.content if c.content or not c.tool_calls
                                    else None}
-        if plan.thinking:
+        if plan.show_reasoning:
             message["reasoning_content"] = c.reasoning
         if c.tool_calls:
             message["tool_calls"] = [{"id": t.id, "type": "function",
@@ -191,12 +194,12 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend),
                                priority=plan.priority)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return _events(frontend, plan, request_id, stream, include_usage)
+    usage_mode = body.stream_options.usage_mode() if body.stream_options else None
+    return _events(frontend, plan, request_id, stream, usage_mode)
 
 
 async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: AsyncIterator[SequenceUpdate],
-                  include_usage: bool) -> AsyncIterator[str]:
+                  usage_mode: str | None) -> AsyncIterator[str]:
     created = int(time.time())
     acc = ChoiceAccumulator(plan.params.n)
     started = [False] * plan.params.n
@@ -204,15 +207,15 @@ async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: A
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                                 "model": frontend.model_name, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
+        if usage_mode is not None:
+            body["usage"] = usage if usage or usage_mode == "final" else acc.usage(len(plan.prompt_ids))
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     try:
         async for update in stream:
             acc.add(update)
             delta: dict[str, Any] = {}
-            if update.delta.reasoning:
+            if update.delta.reasoning and plan.show_reasoning:
                 delta["reasoning_content"] = update.delta.reasoning
             if update.delta.content:
                 delta["content"] = update.delta.content
@@ -231,7 +234,7 @@ async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: A
                 c = acc.choices[update.index]
                 choice["finish_reason"] = _finish(update.finish_reason, bool(c.tool_calls))
             yield chunk([choice])
-        if include_usage:
+        if usage_mode is not None:
             yield chunk([], acc.usage(len(plan.prompt_ids)))
     except Exception as exc:  # noqa: BLE001 - after the headers went out, an error can only be an event
         err = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}")

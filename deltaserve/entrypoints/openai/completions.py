@@ -38,10 +38,13 @@ class CompletionPlan:
         self.texts: list[str] = []
         for p in prompts:
             ids = frontend.tokenizer.encode(p) if isinstance(p, str) else frontend.check_prompt_ids(p)
+            if body.truncate_prompt_tokens is not None:
+                ids = ids[-body.truncate_prompt_tokens:]
             if not ids:
                 raise bad_request("prompt is empty", param="prompt")
             self.prompts.append(ids)
-            self.texts.append(p if isinstance(p, str) else frontend.tokenizer.decode(ids))
+            untouched = isinstance(p, str) and body.truncate_prompt_tokens is None
+            self.texts.append(p if untouched else frontend.tokenizer.decode(ids))  # what echo shows
         structured = body.structured_extra()
         if structured is not None:
             frontend.validate_structured(structured, param="structured_outputs")
@@ -130,14 +133,15 @@ async def completion_stream(frontend: Frontend, body: CompletionRequest) -> Asyn
     plan = CompletionPlan(frontend, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     stream = _start(frontend, plan, request_id)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return _events(frontend, plan, body, request_id, stream, include_usage)
+    usage_mode = body.stream_options.usage_mode() if body.stream_options else None
+    return _events(frontend, plan, body, request_id, stream, usage_mode)
 
 
 async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequest, request_id: str,
-                  stream: AsyncIterator[SequenceUpdate], include_usage: bool) -> AsyncIterator[str]:
+                  stream: AsyncIterator[SequenceUpdate], usage_mode: str | None) -> AsyncIterator[str]:
     created = int(time.time())
     acc = ChoiceAccumulator(plan.n * len(plan.prompts))
+    prompt_tokens = sum(len(p) for p in plan.prompts)
     echoed: set[int] = set()
     try:
         async for u in stream:
@@ -154,12 +158,12 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
                       if body.logprobs is not None else None}
             event: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
                                      "model": frontend.model_name, "choices": [choice]}
-            if include_usage:
-                event["usage"] = None
+            if usage_mode is not None:
+                event["usage"] = acc.usage(prompt_tokens) if usage_mode == "continuous" else None
             yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-        if include_usage:
+        if usage_mode is not None:
             event = {"id": request_id, "object": "text_completion", "created": created, "model": frontend.model_name,
-                     "choices": [], "usage": acc.usage(sum(len(p) for p in plan.prompts))}
+                     "choices": [], "usage": acc.usage(prompt_tokens)}
             yield f"data: {json.dumps(event)}\n\n"
     except Exception as exc:  # noqa: BLE001 - after the headers went out, an error can only be an event
         err = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}")

@@ -23,6 +23,14 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage so far (with include_usage)."""
+
+    def usage_mode(self) -> str | None:
+        """None (no usage in the stream), "final" (one last usage chunk) or "continuous" (also on every chunk)."""
+        if not self.include_usage:
+            return None
+        return "continuous" if self.continuous_usage_stats else "final"
 
 
 class StructuredOutputsParam(_Request):
@@ -70,6 +78,8 @@ class SamplingFields(_Request):
     """vLLM's: only these token ids may be sampled."""
     priority: int = 0
     """vLLM's: lower is served first, on a server started with `--policy priority`."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    """vLLM's: keep only the last this many prompt tokens (of the rendered prompt, for chat)."""
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name tokens "token_id:N" (exact ids, also for tokens that are not valid UTF-8 alone)."""
 
@@ -219,6 +229,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    include_reasoning: bool = True
+    """vLLM's: False leaves reasoning_content out of the response (the model still reasons)."""
     reasoning_effort: str | None = None
     """OpenAI's; for Kimi K3, the thinking effort the prompt announces: low, medium, high or max."""
     chat_template_kwargs: dict[str, Any] | None = None
