@@ -85,6 +85,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), (list, tuple)):
                 raise ValueError(f"{name} must be a list, got {getattr(self, name)!r}")
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        # Duplicates only cost (a 5 MB list of one id once slowed every step): keep each id once, in order.
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -127,7 +129,7 @@ class SamplingParams:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not ids or not all(_is_token_id(t) for t in ids):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r:.60}")
-            object.__setattr__(self, "allowed_token_ids", tuple(ids))
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
 
     def _check_floats(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):

@@ -7,6 +7,7 @@ The tensor work lives in `deltaserve.ops.sampling`; this module turns per-row `S
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
@@ -89,7 +90,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [N, V] with N = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
     raw = logits
-    logits = _mask_disallowed(_mask_stop_tokens(logits, rows), rows)
+    logits = _mask_stop_tokens(_mask_disallowed(logits, rows), rows)
     if token_bitmask is not None and token_bitmask.row_indices:
         logits = _apply_token_bitmask(raw, logits, token_bitmask)
     logits = _apply_logit_bias(logits, rows)
@@ -115,8 +116,12 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     if not pairs:
         return logits
     row_idx, token_idx = torch.tensor(pairs, device=logits.device).T
-    return logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                               device=logits.device))
+    masked = logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                                 device=logits.device))
+    # A row left with nothing (allowed_token_ids are all stop tokens) keeps its stop tokens: min_tokens gives way,
+    # as it does to a grammar. Selected on the device: no host sync.
+    empty = torch.isneginf(masked.amax(dim=-1, keepdim=True))  # [N, 1]
+    return torch.where(empty, logits, masked)
 
 
 def _mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -127,10 +132,16 @@ def _mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     vocab_size, device = logits.shape[1], logits.device
     keep = torch.zeros(len(restricted), vocab_size, dtype=torch.bool)
     for k, i in enumerate(restricted):
-        keep[k, [t for t in rows[i].params.allowed_token_ids if t < vocab_size]] = True
+        keep[k, _allowed_index(rows[i].params.allowed_token_ids, vocab_size)] = True
     idx = torch.tensor(restricted, device=device)
     masked = logits.index_select(0, idx).masked_fill(~keep.to(device), float("-inf"))
     return logits.index_copy(0, idx, masked)
+
+
+@functools.lru_cache(maxsize=256)
+def _allowed_index(allowed_token_ids: tuple[int, ...], vocab_size: int) -> torch.Tensor:
+    """The in-vocabulary ids of an allowed_token_ids tuple, built once per request rather than every step."""
+    return torch.tensor([t for t in allowed_token_ids if t < vocab_size], dtype=torch.long)
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

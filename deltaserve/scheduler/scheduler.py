@@ -65,6 +65,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if its id is taken or it could never fit an empty cache."""
         self.check_request(request)
+        if not self.requests:  # idle until now: the watchdog counts from this arrival, not from the last request
+            self._last_progress, self._stall_logged = self.clock(), False
         self.requests[request.request_id] = request
         self._unsent.add(request.request_id)
         self.waiting.push(request)

@@ -269,3 +269,20 @@ def test_truncate_prompt_tokens_and_include_reasoning(client):
     assert shown.choices[0].message.reasoning_content is not None
     assert getattr(hidden.choices[0].message, "reasoning_content", None) is None
     assert hidden.usage.completion_tokens == shown.usage.completion_tokens
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_completion_logprobs_equal_the_non_streamed(client, echo):
+    """Streamed chunks carry every token's logprobs (also tokens without text, once dropped) with text offsets that
+    continue across chunks: concatenated, they equal the non-streamed logprobs."""
+    kwargs = dict(model="tiny", prompt="The scheduler", max_tokens=12, temperature=0, logprobs=1, echo=echo,
+                  extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    tokens, values, offsets = [], [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert tokens == whole.tokens and len(tokens) == 12
+    assert values == pytest.approx(whole.token_logprobs) and offsets == whole.text_offset

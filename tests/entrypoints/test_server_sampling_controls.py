@@ -67,6 +67,7 @@ def test_allowed_token_ids_and_guided_choice(server, client):
 
 @pytest.mark.parametrize("extra, param", [
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"²": 1}}, "logit_bias"),  # str.isdigit() is True for it: once a 500
     ({"logit_bias": {"1024": 1}}, "logit_bias"),  # the tiny vocabulary has 1024 tokens
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"allowed_token_ids": [5, 4096]}, "allowed_token_ids"),
@@ -104,3 +105,14 @@ def test_priority_orders_the_queue_on_a_priority_server(tiny_dir, tmp_path, serv
         assert done == ["blocker", "high", "low"]
     finally:
         stop_server(live)
+
+
+def test_choice_lists_beyond_llguidance_row_limit_and_control_characters(client):
+    """5,000 choices sharing a prefix (as parser rules llguidance failed at the shared prefix, mid-generation) and
+    choices with DEL / C1 / line-separator characters (a Lark lexer error) give an exact choice."""
+    many = [f"choice_{i}" for i in range(5000)]
+    for extra, allowed in (({"guided_choice": many}, many), ({"structured_outputs": {"choice": ["\x7f", "a\x85b"]}},
+                                                             ["\x7f", "a\x85b"])):
+        answer = client.chat.completions.create(model="tiny", messages=USER, max_tokens=30, temperature=1.0, seed=1,
+                                                extra_body=extra).choices[0].message.content
+        assert answer in allowed

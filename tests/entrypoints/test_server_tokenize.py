@@ -43,6 +43,11 @@ def test_tokenize_chat_is_the_chat_prompt(server):
     res = _post(server, "/tokenize", body).json()
     assert res["count"] == usage.prompt_tokens == len(res["tokens"])
     assert _post(server, "/tokenize", {**body, "add_generation_prompt": False}).json()["count"] < res["count"]
+    # truncate_prompt_tokens as chat completions applies it (-1: up to max_model_len; 0 is refused)
+    cut = _post(server, "/tokenize", {**body, "truncate_prompt_tokens": 5}).json()
+    assert cut["tokens"] == res["tokens"][-5:]
+    assert _post(server, "/tokenize", {**body, "truncate_prompt_tokens": -1}).json()["count"] == res["count"]
+    _openai_error(_post(server, "/tokenize", {**body, "truncate_prompt_tokens": 0}), 400, "truncate_prompt_tokens")
 
 
 def test_count_tokens_with_the_anthropic_sdk(server):
@@ -60,7 +65,9 @@ def test_tokenize_errors_are_4xx(server):
     """Out-of-vocabulary ids, a body with neither prompt nor messages, another model, a bad tool_choice."""
     _openai_error(_post(server, "/detokenize", {"tokens": [10**9]}), 400, "tokens")
     _openai_error(_post(server, "/detokenize", {"tokens": "abc"}), 422)
-    _openai_error(_post(server, "/tokenize", {"model": "tiny"}), 422)
+    _openai_error(_post(server, "/tokenize", {"model": "tiny"}), 422, "prompt")
+    _openai_error(_post(server, "/tokenize", {"prompt": 123}), 422, "prompt")  # a text body's own field is named
+    _openai_error(_post(server, "/tokenize", {"prompt": "hi", "return_token_strs": "x"}), 422, "return_token_strs")
     _openai_error(_post(server, "/tokenize", {"model": "other", "prompt": "x"}), 404)
     _openai_error(_post(server, "/tokenize", {"messages": MESSAGES, "tool_choice": "required"}), 400, "tool_choice")
     resp = _post(server, "/v1/messages/count_tokens", {"model": "tiny", "messages": []})

@@ -104,6 +104,9 @@ def test_logit_bias_is_added_before_penalties_and_allowed_ids_restrict():
     draws = {sample(logits[:1], [make_row(generator=seeded(s), allowed_token_ids=[3, 5])]).token_ids[0]
              for s in range(40)}
     assert draws == {3, 5}  # both allowed tokens are drawn (p = 0.32 / 0.68), nothing else
+    # Only stop tokens allowed while min_tokens masks them: the stop token wins (it used to sample id 0).
+    only_stop = make_row(temperature=0.0, allowed_token_ids=[4], stop=[4], min_tokens=3, max_tokens=8)
+    assert sample(logits[:1], [only_stop]).token_ids == [4]
 
 
 def test_greedy_is_argmax(gen):

@@ -156,6 +156,20 @@ def test_watchdog_logs_when_nothing_progresses(caplog):
     assert sched.stalled and "no request progressed" in caplog.text
 
 
+def test_watchdog_does_not_count_idle_time(caplog):
+    """A request arriving after a long idle period is not reported as stalled at its first step (it was: the
+    watchdog counted from the last request before the idle period)."""
+    now = [0.0]
+    sched = make_scheduler(watchdog_timeout_s=5.0, clock=lambda: now[0])
+    sched.add_request(make_request("first", 4, 4))
+    sched.finish_request("first", FinishReason.ABORT)
+    now[0] = 100.0  # idle; nothing calls the scheduler meanwhile
+    sched.add_request(make_request("r", 4, 4))
+    with caplog.at_level(logging.ERROR):
+        sched.schedule()
+    assert not sched.stalled and "no request progressed" not in caplog.text
+
+
 def test_scheduled_chunk_is_decode():
     """A decode row: one new token after cached ones and no checkpoint to save; anything else is prefill."""
     def chunk(new: int, computed: int, checkpoints=()) -> ScheduledChunk:

@@ -83,10 +83,12 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_gene
     thinking = kwargs.get("thinking", kwargs.get("enable_thinking", fmt.default_thinking))
     if not isinstance(thinking, bool):
         raise bad_request("chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
-    effort = body.reasoning_effort if body.reasoning_effort is not None else kwargs.get("thinking_effort")
+    effort, source = body.reasoning_effort, "reasoning_effort"
+    if effort is None:
+        effort, source = kwargs.get("thinking_effort"), "chat_template_kwargs"
     if effort is not None and effort not in THINKING_EFFORTS:
-        raise bad_request(f"reasoning_effort must be one of {', '.join(THINKING_EFFORTS)}, got {effort!r:.40}",
-                          param="reasoning_effort")
+        raise bad_request(f"{source} thinking effort must be one of {', '.join(THINKING_EFFORTS)}, got "
+                          f"{effort!r:.40}", param=source)
     forcing = choice == "required" or forced is not None
     declared, extra = _response_format(body.response_format), body.structured_extra()
     if declared is not None and extra is not None:
@@ -117,7 +119,7 @@ class ChatPlan:
         prompt = render_chat_prompt(frontend, body)
         self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
         if body.truncate_prompt_tokens is not None:
-            self.prompt_ids = self.prompt_ids[-body.truncate_prompt_tokens:]
+            self.prompt_ids = self.prompt_ids[-frontend.truncation(body.truncate_prompt_tokens):]
         self.show_reasoning = prompt.thinking and body.include_reasoning
         self.tokens_as_ids = body.return_tokens_as_token_ids
         self.priority = frontend.check_priority(body.priority)

@@ -39,7 +39,7 @@ class CompletionPlan:
         for p in prompts:
             ids = frontend.tokenizer.encode(p) if isinstance(p, str) else frontend.check_prompt_ids(p)
             if body.truncate_prompt_tokens is not None:
-                ids = ids[-body.truncate_prompt_tokens:]
+                ids = ids[-frontend.truncation(body.truncate_prompt_tokens):]
             if not ids:
                 raise bad_request("prompt is empty", param="prompt")
             self.prompts.append(ids)
@@ -143,6 +143,7 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
     acc = ChoiceAccumulator(plan.n * len(plan.prompts))
     prompt_tokens = sum(len(p) for p in plan.prompts)
     echoed: set[int] = set()
+    offsets: dict[int, int] = {}  # text_offset of each choice's next token, counted over the chunks sent
     try:
         async for u in stream:
             acc.add(u)
@@ -150,12 +151,18 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
             if plan.echo and u.index not in echoed:
                 echoed.add(u.index)
                 text = plan.texts[u.index // plan.n] + text
-            if not text and u.finish_reason is None:
-                continue
+            wants_logprobs = body.logprobs is not None and any(lp is not None for lp in u.logprobs)
+            if not text and u.finish_reason is None and not wants_logprobs:
+                continue  # tokens without text (special ones) still get their logprobs chunk
+            logprobs = None
+            if body.logprobs is not None:
+                start = offsets.get(u.index, len(text) - len(u.delta.content))  # after an echoed prompt
+                logprobs = completion_logprobs(frontend.tokenizer, u.logprobs, start,
+                                               as_ids=body.return_tokens_as_token_ids)
+                offsets[u.index] = start + sum(len(frontend.tokenizer.decode_bytes([t]).decode("utf-8", "replace"))
+                                               for t in u.token_ids)
             choice = {"index": u.index, "text": text, "finish_reason": u.finish_reason, "stop_reason": u.stop_string,
-                      "logprobs": completion_logprobs(frontend.tokenizer, u.logprobs,
-                                                      as_ids=body.return_tokens_as_token_ids)
-                      if body.logprobs is not None else None}
+                      "logprobs": logprobs}
             event: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
                                      "model": frontend.model_name, "choices": [choice]}
             if usage_mode is not None:

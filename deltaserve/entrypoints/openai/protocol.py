@@ -78,8 +78,8 @@ class SamplingFields(_Request):
     """vLLM's: only these token ids may be sampled."""
     priority: int = 0
     """vLLM's: lower is served first, on a server started with `--policy priority`."""
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    """vLLM's: keep only the last this many prompt tokens (of the rendered prompt, for chat)."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """vLLM's: keep only the last this many prompt tokens (of the rendered prompt, for chat); -1: max_model_len."""
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name tokens "token_id:N" (exact ids, also for tokens that are not valid UTF-8 alone)."""
 
@@ -132,17 +132,40 @@ class SamplingFields(_Request):
             raise bad_request(message, param=param) from exc
 
 
+MAX_CHOICES = 100_000
+
+
 def choice_grammar(choices: list[str]) -> str:
-    """vLLM's guided choice as a Lark grammar: the output is exactly one of `choices`."""
+    """vLLM's guided choice as a Lark grammar: the output is exactly one of `choices`. The alternatives form one
+    terminal (one lexer token): as parser rules, llguidance fails past 2,000 choices sharing a prefix (its Earley
+    rows hold at most 2,000 items), and only once generation reaches the shared prefix."""
     if not choices or not all(choices):
         raise bad_request("choice must be a non-empty list of non-empty strings", param="structured_outputs")
-    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    if len(choices) > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices are supported, got {len(choices)}",
+                          param="structured_outputs")
+    return "start: CHOICE\nCHOICE: " + " | ".join(_lark_string(c) for c in dict.fromkeys(choices))
+
+
+def _lark_string(text: str) -> str:
+    """A Lark string literal matching exactly `text`: quotes and backslashes escaped, control characters (C0, DEL,
+    C1, line and paragraph separators) as \\uXXXX, which the grammar lexer would otherwise reject."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif code < 0x20 or 0x7F <= code <= 0x9F or ch in "\u2028\u2029":
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def _token_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
-        if not key.isdigit() or not int(key) < vocab_size:
+        if not (key.isascii() and key.isdigit()) or not int(key) < vocab_size:  # "²".isdigit() is True too
             raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r:.40}",
                               param="logit_bias")
         out[int(key)] = value
@@ -243,6 +266,7 @@ class TokenizeCompletionRequest(_Request):
     prompt: str
     add_special_tokens: bool = True
     """Accepted for vLLM compatibility; Kimi tokenizers add no special tokens to a plain prompt either way."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     return_token_strs: bool = False
 
 

@@ -3,16 +3,19 @@ and the text of token ids, with the server's own tokenizer and chat format."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import TypeAdapter
+from pydantic import Discriminator, Tag, TypeAdapter
 
 from deltaserve.entrypoints.openai.chat import render_chat_prompt
 from deltaserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from deltaserve.entrypoints.server.frontend import Frontend
 
-TOKENIZE_REQUEST = TypeAdapter(TokenizeChatRequest | TokenizeCompletionRequest)
-"""A body with `messages` is a chat request, one with `prompt` a text prompt."""
+TOKENIZE_REQUEST = TypeAdapter(Annotated[
+    Annotated[TokenizeChatRequest, Tag("Chat")] | Annotated[TokenizeCompletionRequest, Tag("Text")],
+    Discriminator(lambda body: "Chat" if isinstance(body, dict) and "messages" in body else "Text"),
+])
+"""A body with `messages` is a chat request, any other a text prompt (so errors name that kind's fields)."""
 
 
 async def tokenize(frontend: Frontend, body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
@@ -22,6 +25,8 @@ async def tokenize(frontend: Frontend, body: TokenizeChatRequest | TokenizeCompl
     else:
         frontend.check_model(body.model)
         ids = frontend.tokenizer.encode(body.prompt)
+    if body.truncate_prompt_tokens is not None:  # as the generation routes would
+        ids = ids[-frontend.truncation(body.truncate_prompt_tokens):]
     strs = [frontend.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": frontend.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -214,6 +214,13 @@ class Frontend:
             raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param=param)
         return list(ids)
 
+    def truncation(self, truncate_prompt_tokens: int) -> int:
+        """How many trailing prompt tokens vLLM's truncate_prompt_tokens keeps (-1: max_model_len; 0 is a 400)."""
+        if truncate_prompt_tokens == 0:
+            raise bad_request("truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)",
+                              param="truncate_prompt_tokens")
+        return self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
     def check_priority(self, priority: int) -> int:
         """vLLM's rule: a priority other than 0 needs a server started with priority scheduling (400 otherwise);
         lower values are served first."""
