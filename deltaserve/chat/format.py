@@ -51,6 +51,7 @@ class ChatFormat(ABC):
         tool_choice: str | None = None,
         response_format: StructuredOutput | None = None,
         thinking_effort: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the prompt for `messages`.
 
@@ -63,10 +64,24 @@ class ChatFormat(ABC):
             response_format: the answer constraint, for formats that announce it in the prompt (K3).
             thinking_effort: "low", "medium", "high" or "max" for formats that announce it in thinking mode (K3;
                 None: the format's default); others ignore it.
+            continue_final_message: leave the last message, an assistant one without tool calls, open so that the
+                model continues its text (a prefill); needs add_generation_prompt False and thinking off, and no
+                internal tool-choice / response-format message.
 
         Raises:
-            ValueError: thinking requested but unsupported by the tokenizer, or a malformed message.
+            ValueError: thinking requested but unsupported by the tokenizer, a malformed message, or a
+                continue_final_message the conversation does not allow.
         """
+
+    @staticmethod
+    def _check_continuation(messages: Sequence[ChatMessage], *, thinking: bool, add_generation_prompt: bool) -> None:
+        """ValueError unless a prefill (continue_final_message) is possible for these settings."""
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+        if not messages or messages[-1].role != "assistant" or messages[-1].tool_calls:
+            raise ValueError("continue_final_message needs a last assistant message without tool calls")
+        if thinking:
+            raise ValueError("continuing an assistant message (a prefill) is not supported in thinking mode")
 
     @abstractmethod
     def tool_call_grammar(

@@ -91,11 +91,14 @@ class KimiK2Format(ChatFormat):
         tool_choice: str | None = None,
         response_format: StructuredOutput | None = None,
         thinking_effort: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """See `ChatFormat.render`; `tool_choice`, `response_format` and `thinking_effort` do not change a K2
         prompt."""
         think = self._think_ids() if thinking else None
         self._check_tool_choice(tool_choice, tools)
+        if continue_final_message:
+            self._check_continuation(messages, thinking=thinking, add_generation_prompt=add_generation_prompt)
         ids = self.special_ids
         system, middle, end = ids["<|im_system|>"], ids["<|im_middle|>"], ids["<|im_end|>"]
         parts: list[Part] = []
@@ -108,6 +111,8 @@ class KimiK2Format(ChatFormat):
         last_plain = max((i for i, m in enumerate(messages) if m.role == "assistant" and not m.tool_calls), default=-1)
         for i, message in enumerate(messages):
             parts += self._message(message, think=think, historical=i <= last_plain)
+        if continue_final_message:
+            parts.pop()  # the last assistant message's <|im_end|>: the model continues its text
         if add_generation_prompt:
             parts += [ids["<|im_assistant|>"], "assistant", middle]
             if think is not None:

@@ -56,6 +56,7 @@ class KimiK3Format(ChatFormat):
         tool_choice: str | None = None,
         response_format: StructuredOutput | None = None,
         thinking_effort: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """See `ChatFormat.render`. tool_choice "required" / "none" and a json_object / json_schema
         `response_format` add K3's internal system messages; a named tool_choice adds none; `thinking_effort`
@@ -69,6 +70,7 @@ class KimiK3Format(ChatFormat):
             tool_choice=tool_choice,
             response_format=response_format,
             thinking_effort=thinking_effort,
+            continue_final_message=continue_final_message,
         )
         return self.encode(doc)
 
@@ -82,8 +84,15 @@ class KimiK3Format(ChatFormat):
         tool_choice: str | None = None,
         response_format: StructuredOutput | None = None,
         thinking_effort: str | None = None,
+        continue_final_message: bool = False,
     ) -> xtml.Segments:
         """The XTML document `render` encodes (`str()` of it is the prompt text)."""
+        if continue_final_message:
+            self._check_continuation(messages, thinking=thinking, add_generation_prompt=add_generation_prompt)
+            if tool_choice in xtml.TOOL_CHOICE_TEXTS or response_format is not None:
+                raise ValueError("a prefill (continue_final_message) cannot carry K3's tool-choice or "
+                                 "response-format message, which follow the conversation")
+            *messages, final = messages
         doc = xtml.Segments()
         if tools:
             declared = xtml.compact_json(deep_sort([t.to_openai() for t in tools]))
@@ -93,6 +102,25 @@ class KimiK3Format(ChatFormat):
             raise ValueError(f"thinking_effort must be one of {xtml.THINKING_EFFORTS}, got {effort!r}")
         if thinking and effort is not None:
             doc.internal("thinking-effort", xtml.thinking_effort_text(effort))
+        self._conversation(doc, messages, thinking)
+        if tool_choice in xtml.TOOL_CHOICE_TEXTS:
+            doc.internal("tool-choice", xtml.TOOL_CHOICE_TEXTS[tool_choice])
+        if response_format is not None and response_format.kind in ("json_object", "json_schema"):
+            schema = None
+            if response_format.kind == "json_schema":
+                schema = xtml.compact_json(deep_sort(_loads_schema(response_format.spec)))
+            doc.internal("response-format", xtml.response_format_text(response_format.kind, schema))
+        if add_generation_prompt:
+            doc.open("message", [("role", "assistant")])
+            doc.open("think" if thinking else "response")
+        if continue_final_message:  # left open: the model continues the response channel
+            doc.open("message", _with_name([("role", "assistant")], final))
+            doc.open("response")
+            doc.text(final.content)
+        return doc
+
+    def _conversation(self, doc: xtml.Segments, messages: Sequence[ChatMessage], thinking: bool) -> None:
+        """The messages, each closed; tool results named after the calls they answer."""
         calls: Sequence[ToolCall] = ()
         tool_index = 0
         for message, resolved in resolve_tool_results(messages):
@@ -115,17 +143,6 @@ class KimiK3Format(ChatFormat):
                 doc.message([("role", "tool"), ("tool", tool), ("index", tool_index)], message.content)
             else:
                 doc.message(_with_name([("role", message.role)], message), message.content)
-        if tool_choice in xtml.TOOL_CHOICE_TEXTS:
-            doc.internal("tool-choice", xtml.TOOL_CHOICE_TEXTS[tool_choice])
-        if response_format is not None and response_format.kind in ("json_object", "json_schema"):
-            schema = None
-            if response_format.kind == "json_schema":
-                schema = xtml.compact_json(deep_sort(_loads_schema(response_format.spec)))
-            doc.internal("response-format", xtml.response_format_text(response_format.kind, schema))
-        if add_generation_prompt:
-            doc.open("message", [("role", "assistant")])
-            doc.open("think" if thinking else "response")
-        return doc
 
     @staticmethod
     def _assistant_body(doc: xtml.Segments, message: ChatMessage, thinking: bool) -> None:

@@ -152,3 +152,21 @@ def test_stop_tokens_and_bad_messages(k2: KimiK2Format) -> None:
         "type": "function",
         "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
     }
+
+
+def test_continue_final_message_is_a_prefill(k2: KimiK2Format) -> None:
+    """A last assistant message left open (no <|im_end|>, no new turn): the ids are the generation prompt followed by
+    the prefix's own tokens, so the model continues the text. Thinking mode, a tool-call message, a last
+    non-assistant message and add_generation_prompt are refused."""
+    hi = [ChatMessage(role="user", content="Hi")]
+    prefill = [*hi, ChatMessage(role="assistant", content='{"answer": ')]
+    ids = k2.render(prefill, thinking=False, add_generation_prompt=False, continue_final_message=True)
+    assert ids == k2.render(hi, thinking=False) + k2.tokenizer.encode('{"answer": ', allow_special=False)
+    assert text(k2, prefill, add_generation_prompt=False, continue_final_message=True).endswith(GEN + '{"answer": ')
+    call = ChatMessage(role="assistant", content="", tool_calls=(ToolCall(id="c", name="f", arguments="{}"),))
+    for messages, kw, needle in ((prefill, {"thinking": True}, "thinking mode"), (hi, {}, "last assistant"),
+                                 ([*hi, call], {}, "without tool calls"),
+                                 (prefill, {"add_generation_prompt": True}, "cannot both")):
+        with pytest.raises(ValueError, match=needle):
+            k2.render(messages, **{"thinking": False, "add_generation_prompt": False, **kw},
+                      continue_final_message=True)

@@ -227,3 +227,20 @@ def test_k3_stop_tokens_and_effort_validation(k3: KimiK3Format) -> None:
     assert k3.stop_token_ids == frozenset({sp["<|end_of_msg|>"], sp["[EOS]"]})
     with pytest.raises(ValueError, match="thinking_effort"):
         KimiK3Format(k3.tokenizer, thinking_effort="huge")
+
+
+def test_continue_final_message_is_a_prefill(k3: KimiK3Format) -> None:
+    """K3's last assistant message left open inside its response channel: the generation prompt (non-thinking)
+    followed by the prefix text; an internal tool-choice or response-format message (which would follow the open
+    message) is refused."""
+    hi = [ChatMessage(role="user", content="Hi")]
+    prefill = [*hi, ChatMessage(role="assistant", content="Sure, ")]
+    ids = k3.render(prefill, thinking=False, add_generation_prompt=False, continue_final_message=True)
+    assert ids == k3.render(hi, thinking=False) + k3.tokenizer.encode("Sure, ", allow_special=False)
+    assert text(k3, prefill, thinking=False, add_generation_prompt=False,
+                continue_final_message=True).endswith(GEN_RESPONSE + "Sure, ")
+    for kw in ({"tool_choice": "none"}, {"response_format": StructuredOutput("json_object")}):
+        with pytest.raises(ValueError, match="prefill"):
+            k3.render(prefill, thinking=False, add_generation_prompt=False, continue_final_message=True, **kw)
+    with pytest.raises(ValueError, match="thinking mode"):
+        k3.render(prefill, thinking=True, add_generation_prompt=False, continue_final_message=True)

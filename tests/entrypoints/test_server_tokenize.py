@@ -73,3 +73,28 @@ def test_tokenize_errors_are_4xx(server):
     resp = _post(server, "/v1/messages/count_tokens", {"model": "tiny", "messages": []})
     assert resp.status_code == 400 and resp.json()["type"] == "error", resp.text
     assert httpx.get(f"{server.url}/tokenize").status_code == 405
+
+
+def test_prefill_continues_the_assistant_message(server):
+    """vLLM's continue_final_message (OpenAI) and a last assistant message (Anthropic, with the SDK) continue that
+    message: the greedy answer is what /v1/completions gives for the rendered prompt ids, and both APIs agree."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    body = {"model": "tiny", "messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    ids = _post(server, "/tokenize", body).json()["tokens"]
+    plain = _post(server, "/tokenize", {"model": "tiny", "messages": messages[:1]}).json()["tokens"]
+    assert ids[:len(plain)] == plain and len(ids) > len(plain)  # the generation prompt, then the prefix's tokens
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    chat = _post(server, "/v1/chat/completions", {**body, **greedy}).json()
+    text = _post(server, "/v1/completions", {"model": "tiny", "prompt": ids, **greedy}).json()["choices"][0]["text"]
+    assert chat["choices"][0]["message"]["content"] == text and chat["usage"]["prompt_tokens"] == len(ids)
+    client = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+    msg = client.messages.create(model="tiny", max_tokens=6, messages=messages, extra_body={"temperature": 0})
+    until_eos = _post(server, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 6,
+                                                  "temperature": 0}).json()["choices"][0]["text"]
+    assert msg.usage.input_tokens == len(ids)
+    assert "".join(b.text for b in msg.content if b.type == "text") == until_eos
+    for extra, needle in (({"add_generation_prompt": True}, "cannot both"),
+                          ({"chat_template_kwargs": {"thinking": True}}, "thinking mode"),
+                          ({"response_format": {"type": "json_object"}}, "response format")):
+        err = _openai_error(_post(server, "/v1/chat/completions", {**body, **extra}), 400, "continue_final_message")
+        assert needle in err["message"]

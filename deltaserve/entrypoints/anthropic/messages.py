@@ -92,16 +92,22 @@ def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> Rend
             choice = "required"
         else:
             choice = tc.type
-    thinking = fmt.default_thinking if body.thinking is None else body.thinking.type != "disabled"
+    # A last assistant message is a prefill (the answer continues it): thinking off unless asked for.
+    prefill = body.messages[-1].role == "assistant"
+    thinking = fmt.default_thinking and not prefill if body.thinking is None else body.thinking.type != "disabled"
     forcing = choice == "required" or forced is not None
     answer = None
     if body.output_config is not None and body.output_config.format is not None:
         if forcing:
             raise bad_request("output_config.format cannot be combined with a tool_choice that forces a tool call")
         answer = StructuredOutput("json_schema", json.dumps(body.output_config.format.schema_))
+    if prefill and (forcing or answer is not None):
+        raise bad_request("a prefilled assistant message cannot also be constrained by a forced tool call or an "
+                          "output format")
     try:
         prompt_ids = fmt.render(to_chat_messages(body), tools=tools, thinking=thinking,
-                                tool_choice=choice if tc is not None else None, response_format=answer)
+                                tool_choice=choice if tc is not None else None, response_format=answer,
+                                add_generation_prompt=not prefill, continue_final_message=prefill)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     return RenderedPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,

@@ -60,8 +60,7 @@ def _text(content: Any, *, param: str) -> str:
     return "".join(parts)
 
 
-def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_generation_prompt: bool = True
-                       ) -> RenderedPrompt:
+def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest) -> RenderedPrompt:
     """Validate a chat request's messages, tools, tool_choice and formats and render its prompt (shared by
     /v1/chat/completions and /tokenize)."""
     fmt = frontend.chat_format
@@ -80,7 +79,9 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_gene
     elif choice == "required" and not tools:
         raise bad_request("tool_choice 'required' needs at least one tool", param="tool_choice")
     kwargs = body.chat_template_kwargs or {}
-    thinking = kwargs.get("thinking", kwargs.get("enable_thinking", fmt.default_thinking))
+    # A prefill continues the answer: thinking is off unless asked for (which the formats then refuse).
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking",
+                                                 fmt.default_thinking and not body.continue_final_message))
     if not isinstance(thinking, bool):
         raise bad_request("chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
     effort, source = body.reasoning_effort, "reasoning_effort"
@@ -98,15 +99,20 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, add_gene
         # vLLM's rule too: the forced call's grammar and an answer format cannot both constrain one output.
         raise bad_request("response_format / structured_outputs cannot be combined with a tool_choice that "
                           "forces a tool call", param="structured_outputs" if extra else "response_format")
+    if body.continue_final_message and (forcing or answer is not None):
+        raise bad_request("a continued assistant message cannot also be constrained by a forced tool call or a "
+                          "response format (the grammar would start mid-answer)", param="continue_final_message")
     try:
         # The format declares what the request set in the prompt as its template does (K3: internal messages;
         # "none" only when the client sent it); vLLM's structured_outputs only constrain the sampler.
         prompt_ids = fmt.render(to_chat_messages(body.messages), tools=tools, thinking=thinking,
-                                add_generation_prompt=add_generation_prompt,
+                                add_generation_prompt=body.add_generation_prompt,
                                 tool_choice=choice if body.tool_choice is not None else None,
-                                response_format=declared, thinking_effort=effort)
+                                response_format=declared, thinking_effort=effort,
+                                continue_final_message=body.continue_final_message)
     except ValueError as exc:
-        raise bad_request(str(exc), param="messages") from exc
+        param = "continue_final_message" if body.continue_final_message else "messages"
+        raise bad_request(str(exc), param=param) from exc
     return RenderedPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
                       answer=answer, tools_active=bool(tools) and choice != "none")
 

@@ -252,6 +252,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    """vLLM's: end the prompt with the opening of a new assistant turn."""
+    continue_final_message: bool = False
+    """vLLM's: continue the last (assistant) message instead (a prefill; set add_generation_prompt false)."""
     include_reasoning: bool = True
     """vLLM's: False leaves reasoning_content out of the response (the model still reasons)."""
     reasoning_effort: str | None = None
@@ -273,7 +277,6 @@ class TokenizeCompletionRequest(_Request):
 class TokenizeChatRequest(ChatCompletionRequest):
     """POST /tokenize with chat messages: the prompt /v1/chat/completions would build (vLLM's API)."""
 
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 

@@ -21,7 +21,7 @@ TOKENIZE_REQUEST = TypeAdapter(Annotated[
 async def tokenize(frontend: Frontend, body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
     """`{"count", "max_model_len", "tokens", "token_strs"}` as vLLM answers (token_strs only when asked)."""
     if isinstance(body, TokenizeChatRequest):
-        ids = render_chat_prompt(frontend, body, add_generation_prompt=body.add_generation_prompt).prompt_ids
+        ids = render_chat_prompt(frontend, body).prompt_ids
     else:
         frontend.check_model(body.model)
         ids = frontend.tokenizer.encode(body.prompt)
