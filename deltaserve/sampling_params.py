@@ -77,6 +77,9 @@ class SamplingParams:
     token, 100 all but forces it). A dict {token id: bias} is accepted."""
     allowed_token_ids: tuple[int, ...] | None = None
     """Only these tokens may be sampled (vLLM's allowed_token_ids); None allows all."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    """Token sequences never completed (vLLM's bad_words, tokenized): the last token of a sequence is banned when
+    the output ends with the rest of it (a one-token sequence is always banned)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +128,11 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r:.40}")
             pairs.append((token, float(value)))
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+        words = self.bad_words_token_ids
+        if not isinstance(words, (list, tuple)) or not all(
+                isinstance(w, (list, tuple)) and w and all(_is_token_id(t) for t in w) for w in words):
+            raise ValueError(f"bad_words_token_ids must be non-empty token id sequences, got {words!r:.60}")
+        object.__setattr__(self, "bad_words_token_ids", tuple(dict.fromkeys(tuple(w) for w in words)))
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, (list, tuple)) or not ids or not all(_is_token_id(t) for t in ids):

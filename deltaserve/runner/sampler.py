@@ -72,9 +72,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
            ) -> SamplerOutput:
     """Pick one token per row.
 
-    Order (vLLM v1): stop tokens masked for rows below ``min_tokens`` and every token outside
-    ``allowed_token_ids``; the grammar bitmask of constrained rows (should the min_tokens mask and the grammar
-    leave a row nothing, the grammar alone wins); ``logit_bias``; repetition, frequency and presence penalties;
+    Order (vLLM v1): every token outside ``allowed_token_ids``, the completing token of each ``bad_words``
+    sequence, and stop tokens for rows below ``min_tokens`` masked (min_tokens gives way if that leaves nothing);
+    the grammar bitmask of constrained rows (should the masks and the grammar leave a row nothing, the grammar
+    alone wins); ``logit_bias``; repetition, frequency and presence penalties;
     greedy rows (temperature below 1e-5) take the argmax; the others divide by their temperature, apply min-p and
     top-k, then top-p, and sample by exponential race. A seeded row's token depends only on its own logits row and
     generator.
@@ -90,7 +91,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [N, V] with N = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
     raw = logits
-    logits = _mask_stop_tokens(_mask_disallowed(logits, rows), rows)
+    logits = _mask_stop_tokens(_ban_bad_words(_mask_disallowed(logits, rows), rows), rows)
     if token_bitmask is not None and token_bitmask.row_indices:
         logits = _apply_token_bitmask(raw, logits, token_bitmask)
     logits = _apply_logit_bias(logits, rows)
@@ -142,6 +143,22 @@ def _mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 def _allowed_index(allowed_token_ids: tuple[int, ...], vocab_size: int) -> torch.Tensor:
     """The in-vocabulary ids of an allowed_token_ids tuple, built once per request rather than every step."""
     return torch.tensor([t for t in allowed_token_ids if t < vocab_size], dtype=torch.long)
+
+
+def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """vLLM's bad_words: -inf for the last token of every bad sequence whose other tokens end the output."""
+    vocab_size = logits.shape[1]
+    pairs = [(i, word[-1]) for i, row in enumerate(rows) for word in row.params.bad_words_token_ids
+             if word[-1] < vocab_size and _ends_with(row.output_token_ids, word[:-1])]
+    if not pairs:
+        return logits
+    row_idx, token_idx = torch.tensor(pairs, device=logits.device).T
+    return logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                               device=logits.device))
+
+
+def _ends_with(tokens: Sequence[int], tail: Sequence[int]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and list(tokens[-len(tail):]) == list(tail))
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -47,6 +47,16 @@ def test_logit_bias_bans_and_forces_tokens(server, client):
     assert sdk.choices[0].message.content == _text_of(server, [77, 77])
 
 
+def test_bad_words_are_never_completed(server):
+    """vLLM's bad_words: the greedy first word, banned, is not generated again anywhere in the output."""
+    greedy = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    first = _ids(server, "/v1/completions", greedy)
+    word = _text_of(server, first[:1]).strip()
+    assert word
+    banned = _ids(server, "/v1/completions", {**greedy, "bad_words": [word]})
+    assert len(banned) == 8 and first[0] not in banned and banned != first
+
+
 def _text_of(server, ids: list[int]) -> str:
     return _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
 
@@ -72,6 +82,7 @@ def test_allowed_token_ids_and_guided_choice(server, client):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"allowed_token_ids": [5, 4096]}, "allowed_token_ids"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": ["  "]}, "bad_words"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
 ])

@@ -308,3 +308,12 @@ def test_empty_batch_and_shape_check():
     assert out.token_ids == [] and out.logprobs == []
     with pytest.raises(ValueError, match="len\\(rows\\)"):
         sample(torch.zeros(2, 10), [make_row()])
+
+
+def test_bad_words_ban_only_the_completing_token():
+    """A one-token bad word is always banned; a longer one only when the output ends with its other tokens."""
+    logits = torch.tensor([BASE_ROW, BASE_ROW, BASE_ROW])  # argmax 2, then 0
+    rows = [make_row(temperature=0.0, bad_words_token_ids=[[2]]),
+            make_row(temperature=0.0, output=[7, 4], bad_words_token_ids=[[4, 2]]),
+            make_row(temperature=0.0, output=[4, 7], bad_words_token_ids=[[4, 2], [9, 9, 2]])]
+    assert sample(logits, rows).token_ids == [0, 0, 2]

@@ -147,7 +147,8 @@ class ChatPlan:
             raise bad_request(f"top_logprobs must be between 0 and 20, got {body.top_logprobs}", param="top_logprobs")
         self.params: SamplingParams = body.sampling_params(
             max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            max_n=frontend.config.max_n, vocab_size=frontend.client.info.vocab_size, structured=structured)
+            max_n=frontend.config.max_n, vocab_size=frontend.client.info.vocab_size, structured=structured,
+            bad_words_token_ids=frontend.bad_words_token_ids(body.bad_words))
 
     def processors(self, frontend: Frontend):  # noqa: ANN201 - a SequenceProcessor factory
         return chat_processors(frontend, thinking=self.thinking, tools=self.tools_active)

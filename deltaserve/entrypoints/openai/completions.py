@@ -45,6 +45,7 @@ class CompletionPlan:
             self.prompts.append(ids)
             untouched = isinstance(p, str) and body.truncate_prompt_tokens is None
             self.texts.append(p if untouched else frontend.tokenizer.decode(ids))  # what echo shows
+        bad_words = frontend.bad_words_token_ids(body.bad_words)
         structured = body.structured_extra()
         if structured is not None:
             frontend.validate_structured(structured, param="structured_outputs")
@@ -57,7 +58,7 @@ class CompletionPlan:
             self.params.append(body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs,
                                                     max_n=frontend.config.max_n,
                                                     vocab_size=frontend.client.info.vocab_size,
-                                                    structured=structured))
+                                                    structured=structured, bad_words_token_ids=bad_words))
         self.n = body.n
         self.echo = body.echo
         self.priority = frontend.check_priority(body.priority)

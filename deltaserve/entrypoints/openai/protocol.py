@@ -76,6 +76,8 @@ class SamplingFields(_Request):
     """OpenAI's: token id (as a string) -> bias in [-100, 100] added to its logit."""
     allowed_token_ids: list[int] | None = None
     """vLLM's: only these token ids may be sampled."""
+    bad_words: list[str] | None = None
+    """vLLM's: words the output never completes (each tokenized alone and after a space)."""
     priority: int = 0
     """vLLM's: lower is served first, on a server started with `--policy priority`."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
@@ -103,8 +105,8 @@ class SamplingFields(_Request):
         return StructuredOutput("json_object") if so.json_object else None
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, max_n: int, vocab_size: int,
-                        structured: StructuredOutput | None = None, skip_special_tokens: bool | None = None
-                        ) -> SamplingParams:
+                        structured: StructuredOutput | None = None, skip_special_tokens: bool | None = None,
+                        bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
         """SamplingParams from these fields; 400 naming the field for an invalid value."""
         if not 1 <= self.n <= max_n:
             raise bad_request(f"n must be between 1 and {max_n}, got {self.n}", param="n")
@@ -118,6 +120,7 @@ class SamplingFields(_Request):
             "logprobs": logprobs, "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             "structured": structured, "logit_bias": bias, "allowed_token_ids": self.allowed_token_ids,
+            "bad_words_token_ids": bad_words_token_ids,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

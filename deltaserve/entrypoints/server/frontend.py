@@ -214,6 +214,20 @@ class Frontend:
             raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param=param)
         return list(ids)
 
+    def bad_words_token_ids(self, words: Sequence[str] | None) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad_words: each word alone, and after a space when that gives other tokens of the
+        same count (a word inside the text); 400 for an empty word."""
+        out: list[tuple[int, ...]] = []
+        for word in words or ():
+            alone = tuple(self.tokenizer.encode(word.lstrip(), allow_special=False))
+            if not alone:
+                raise bad_request(f"bad_words entries must contain text, got {word!r:.40}", param="bad_words")
+            out.append(alone)
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), allow_special=False))
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return tuple(out)
+
     def truncation(self, truncate_prompt_tokens: int) -> int:
         """How many trailing prompt tokens vLLM's truncate_prompt_tokens keeps (-1: max_model_len; 0 is a 400)."""
         if truncate_prompt_tokens == 0:
