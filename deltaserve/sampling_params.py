@@ -73,8 +73,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     """Constrain the output to a JSON schema, any JSON object, a regex or a grammar."""
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    """(token id, bias) pairs added to the logits before penalties and sampling (OpenAI's logit_bias: -100 bans a
-    token, 100 all but forces it). A dict {token id: bias} is accepted."""
+    """(token id, bias) pairs added to the logits before penalties and sampling (OpenAI's logit_bias: in practice
+    -100 bans a token and 100 forces it). A dict {token id: bias} is accepted."""
     allowed_token_ids: tuple[int, ...] | None = None
     """Only these tokens may be sampled (vLLM's allowed_token_ids); None allows all."""
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
@@ -127,7 +127,7 @@ class SamplingParams:
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r:.40}")
             pairs.append((token, float(value)))
-        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(dict(pairs).items())))  # a repeated id: the last bias
         words = self.bad_words_token_ids
         if not isinstance(words, (list, tuple)) or not all(
                 isinstance(w, (list, tuple)) and w and all(_is_token_id(t) for t in w) for w in words):

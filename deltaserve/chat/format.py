@@ -77,9 +77,11 @@ class ChatFormat(ABC):
     def _check_continuation(messages: Sequence[ChatMessage], *, thinking: bool, add_generation_prompt: bool) -> None:
         """ValueError unless a prefill (continue_final_message) is possible for these settings."""
         if add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+            raise ValueError("continuing the last message (continue_final_message) and starting a new assistant turn "
+                             "(add_generation_prompt) cannot both be set")
         if not messages or messages[-1].role != "assistant" or messages[-1].tool_calls:
-            raise ValueError("continue_final_message needs a last assistant message without tool calls")
+            raise ValueError("continuing the last message (a prefill) needs a last assistant message without tool "
+                             "calls")
         if thinking:
             raise ValueError("continuing an assistant message (a prefill) is not supported in thinking mode")
 

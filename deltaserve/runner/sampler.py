@@ -75,7 +75,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     Order (vLLM v1): every token outside ``allowed_token_ids``, the completing token of each ``bad_words``
     sequence, and stop tokens for rows below ``min_tokens`` masked (min_tokens gives way if that leaves nothing);
     the grammar bitmask of constrained rows (should the masks and the grammar leave a row nothing, the grammar
-    alone wins); ``logit_bias``; repetition, frequency and presence penalties;
+    applies without the min_tokens mask, then alone); ``logit_bias``; repetition, frequency and presence penalties;
     greedy rows (temperature below 1e-5) take the argmax; the others divide by their temperature, apply min-p and
     top-k, then top-p, and sample by exponential race. A seeded row's token depends only on its own logits row and
     generator.
@@ -91,9 +91,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [N, V] with N = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
     raw = logits
-    logits = _mask_stop_tokens(_ban_bad_words(_mask_disallowed(logits, rows), rows), rows)
+    restricted = _ban_bad_words(_mask_disallowed(logits, rows), rows)
+    logits = _mask_stop_tokens(restricted, rows)
     if token_bitmask is not None and token_bitmask.row_indices:
-        logits = _apply_token_bitmask(raw, logits, token_bitmask)
+        logits = _apply_token_bitmask((restricted, raw), logits, token_bitmask)
     logits = _apply_logit_bias(logits, rows)
     logits = _apply_penalties(logits, rows)
     token_ids = logits.argmax(dim=-1)  # [N]
@@ -119,8 +120,8 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     row_idx, token_idx = torch.tensor(pairs, device=logits.device).T
     masked = logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
                                                                  device=logits.device))
-    # A row left with nothing (allowed_token_ids are all stop tokens) keeps its stop tokens: min_tokens gives way,
-    # as it does to a grammar. Selected on the device: no host sync.
+    # A row left with nothing (allowed_token_ids are all stop tokens) keeps its stop tokens, or it would sample from
+    # an all -inf row (id 0). The request still does not end before min_tokens. Selected on the device: no sync.
     empty = torch.isneginf(masked.amax(dim=-1, keepdim=True))  # [N, 1]
     return torch.where(empty, logits, masked)
 
@@ -139,7 +140,7 @@ def _mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     return logits.index_copy(0, idx, masked)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)  # keeps its keys alive: up to a vocabulary of ints each
 def _allowed_index(allowed_token_ids: tuple[int, ...], vocab_size: int) -> torch.Tensor:
     """The in-vocabulary ids of an allowed_token_ids tuple, built once per request rather than every step."""
     return torch.tensor([t for t in allowed_token_ids if t < vocab_size], dtype=torch.long)
@@ -175,14 +176,19 @@ def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
                             torch.tensor(bias, dtype=logits.dtype, device=device), accumulate=True)
 
 
-def _apply_token_bitmask(raw: torch.Tensor, logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+def _apply_token_bitmask(fallbacks: Sequence[torch.Tensor], logits: torch.Tensor, mask: TokenBitmask
+                         ) -> torch.Tensor:
+    """The grammar's mask on the constrained rows. A row it leaves empty takes the grammar on the first of
+    `fallbacks` (logits with fewer masks: without min_tokens', then raw) that keeps some token."""
     idx = torch.tensor(mask.row_indices, device=logits.device)
     bitmask = mask.bitmask.to(logits.device)
     masked = sampling_ops.apply_token_bitmask(logits.index_select(0, idx), bitmask)  # [R, V]
-    empty = torch.isneginf(masked.amax(dim=-1))  # [R]: min_tokens masked every stop token the grammar allows
-    if bool(empty.any()):
-        fallback = sampling_ops.apply_token_bitmask(raw.index_select(0, idx), bitmask)
-        masked = torch.where(empty[:, None], fallback, masked)
+    for fallback in fallbacks:
+        empty = torch.isneginf(masked.amax(dim=-1))  # [R]: the masks left the grammar nothing
+        if not bool(empty.any()):
+            break
+        relaxed = sampling_ops.apply_token_bitmask(fallback.index_select(0, idx), bitmask)
+        masked = torch.where(empty[:, None], relaxed, masked)
     return logits.index_copy(0, idx, masked)
 
 

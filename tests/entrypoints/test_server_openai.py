@@ -248,6 +248,15 @@ def test_continuous_usage_stats(client):
                                           stream_options={"include_usage": True, "continuous_usage_stats": True},
                                           extra_body={"ignore_eos": True}))
     assert [c.usage.completion_tokens for c in text][-1] == 4 and all(c.usage is not None for c in text)
+    # n = 2: each chunk counts its own choice (vLLM's per-choice counts); the last chunk has the total
+    two = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Count"}], stream=True, n=2, seed=3,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **kwargs))
+    per_choice: dict[int, list[int]] = {0: [], 1: []}
+    for c in two[:-1]:
+        per_choice[c.choices[0].index].append(c.usage.completion_tokens)
+    assert all(v == sorted(v) and v[-1] == 6 for v in per_choice.values())
+    assert two[-1].choices == [] and two[-1].usage.completion_tokens == 12
 
 
 def test_truncate_prompt_tokens_and_include_reasoning(client):
@@ -268,15 +277,23 @@ def test_truncate_prompt_tokens_and_include_reasoning(client):
                                             **{**kwargs, "extra_body": {**thinking, "include_reasoning": False}})
     assert shown.choices[0].message.reasoning_content is not None
     assert getattr(hidden.choices[0].message, "reasoning_content", None) is None
-    assert hidden.usage.completion_tokens == shown.usage.completion_tokens
+    # the same greedy generation: only what is shown differs
+    assert hidden.choices[0].message.content == shown.choices[0].message.content
+    assert hidden.usage.prompt_tokens == shown.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("echo", [False, True])
-def test_streamed_completion_logprobs_equal_the_non_streamed(client, echo):
-    """Streamed chunks carry every token's logprobs (also tokens without text, once dropped) with text offsets that
-    continue across chunks: concatenated, they equal the non-streamed logprobs."""
+@pytest.mark.parametrize("echo, special", [(False, False), (True, False), (False, True)])
+def test_streamed_completion_logprobs_equal_the_non_streamed(server, client, echo, special):
+    """Streamed chunks carry every token's logprobs (also of tokens without text, such as a special token that is
+    skipped: once dropped) with text offsets that continue across chunks: concatenated, they equal the
+    non-streamed logprobs."""
+    bias = {}
+    if special:  # every other step <|im_end|>, which has no text with skip_special_tokens
+        im_end = httpx.post(f"{server.url}/tokenize", json={"prompt": "<|im_end|>"},
+                            headers=server.headers()).json()["tokens"]
+        bias = {"logit_bias": {str(im_end[0]): 12}}
     kwargs = dict(model="tiny", prompt="The scheduler", max_tokens=12, temperature=0, logprobs=1, echo=echo,
-                  extra_body={"ignore_eos": True, "skip_special_tokens": False})
+                  extra_body={"ignore_eos": True, **bias})
     whole = client.completions.create(**kwargs).choices[0].logprobs
     tokens, values, offsets = [], [], []
     for chunk in client.completions.create(stream=True, **kwargs):
@@ -286,3 +303,6 @@ def test_streamed_completion_logprobs_equal_the_non_streamed(client, echo):
             offsets += chunk.choices[0].logprobs.text_offset
     assert tokens == whole.tokens and len(tokens) == 12
     assert values == pytest.approx(whole.token_logprobs) and offsets == whole.text_offset
+    if special:
+        text = client.completions.create(**kwargs).choices[0].text
+        assert len(text) < sum(len(t) for t in tokens)  # some tokens (the special ones) add no text

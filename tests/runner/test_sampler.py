@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deltaserve.ops.sampling import apply_penalties, apply_top_k_top_p_min_p, token_counts
-from deltaserve.runner.sampler import SamplingRow, sample
+from deltaserve.runner.sampler import SamplingRow, TokenBitmask, sample
 from deltaserve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -94,7 +94,8 @@ def test_logit_bias_is_added_before_penalties_and_allowed_ids_restrict():
     vocabulary are ignored. allowed_token_ids leave every other token at -inf, sampled or greedy."""
     logits = torch.tensor([BASE_ROW, BASE_ROW])  # argmax 2 (3.0)
     rows = [make_row(temperature=0.0, logit_bias={5: 2.0, 99: 50.0}),  # 1.25 + 2 = 3.25 beats 3.0
-            make_row(prompt=[5], temperature=0.0, logit_bias={5: 2.0}, repetition_penalty=2.0)]  # 3.25 / 2
+            # (1.25 + 3) / 2 = 2.125 loses to 3.0; penalising first, 1.25 / 2 + 3 = 3.625, would win
+            make_row(prompt=[5], temperature=0.0, logit_bias={5: 3.0}, repetition_penalty=2.0)]
     assert sample(logits, rows).token_ids == [5, 2]
     banned = sample(logits, [make_row(temperature=0.0, logit_bias={2: -100.0}), make_row(temperature=0.0)])
     assert banned.token_ids == [0, 2]
@@ -107,6 +108,17 @@ def test_logit_bias_is_added_before_penalties_and_allowed_ids_restrict():
     # Only stop tokens allowed while min_tokens masks them: the stop token wins (it used to sample id 0).
     only_stop = make_row(temperature=0.0, allowed_token_ids=[4], stop=[4], min_tokens=3, max_tokens=8)
     assert sample(logits[:1], [only_stop]).token_ids == [4]
+
+
+def test_grammar_fallback_keeps_allowed_ids():
+    """A grammar row that min_tokens leaves empty falls back to the grammar on the allowed ids (not on the raw
+    logits, which sampled a disallowed token), and to the grammar alone only when the two are disjoint."""
+    logits = torch.tensor([BASE_ROW, BASE_ROW])
+    bitmask = torch.tensor([[(1 << 0) | (1 << 4)]] * 2, dtype=torch.int32)  # the grammar allows tokens 0 and 4
+    rows = [make_row(temperature=0.0, allowed_token_ids=[4, 5], stop=[4], min_tokens=3, max_tokens=8),
+            make_row(temperature=0.0, allowed_token_ids=[5])]
+    out = sample(logits, rows, TokenBitmask(row_indices=[0, 1], bitmask=bitmask))
+    assert out.token_ids == [4, 0]  # row 0: allowed and grammar share 4; row 1: disjoint, the grammar wins
 
 
 def test_greedy_is_argmax(gen):

@@ -170,7 +170,7 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
     plan = ChatPlan(frontend, body)
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    acc = ChoiceAccumulator(plan.params.n)
+    acc = ChoiceAccumulator(plan.params.n, hide_reasoning=plan.thinking and not plan.show_reasoning)
     stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend),
                                priority=plan.priority)
     async for update in stream:
@@ -210,14 +210,16 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
 async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: AsyncIterator[SequenceUpdate],
                   usage_mode: str | None) -> AsyncIterator[str]:
     created = int(time.time())
-    acc = ChoiceAccumulator(plan.params.n)
+    hidden = plan.thinking and not plan.show_reasoning
+    acc = ChoiceAccumulator(plan.params.n, hide_reasoning=hidden)
     started = [False] * plan.params.n
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                                 "model": frontend.model_name, "choices": choices}
-        if usage_mode is not None:
-            body["usage"] = usage if usage or usage_mode == "final" else acc.usage(len(plan.prompt_ids))
+        if usage_mode is not None:  # continuous: this choice's own count so far, as vLLM reports it
+            body["usage"] = usage if usage or usage_mode == "final" else acc.usage(len(plan.prompt_ids),
+                                                                                   choices[0]["index"])
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     try:
@@ -230,13 +232,15 @@ async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: A
                 delta["content"] = update.delta.content
             if update.delta.tool_calls:
                 delta["tool_calls"] = _tool_call_deltas(update)
-            if not delta and update.finish_reason is None:
-                continue  # no empty chunks: the first chunk carries the first visible token
+            send_logprobs = (plan.params.logprobs is not None and any(lp is not None for lp in update.logprobs)
+                             and not (hidden and update.delta.reasoning))
+            if not delta and update.finish_reason is None and not send_logprobs:
+                continue  # no empty chunks, except to carry the logprobs of tokens without text
             if not started[update.index]:
                 started[update.index] = True
                 delta = {"role": "assistant", **delta}
             choice: dict[str, Any] = {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": None}
-            if plan.params.logprobs is not None and update.logprobs:
+            if send_logprobs:
                 choice["logprobs"] = {"content": chat_logprobs(frontend.tokenizer, update.logprobs,
                                                                plan.tokens_as_ids)}
             if update.finish_reason is not None:

@@ -167,7 +167,9 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
             event: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
                                      "model": frontend.model_name, "choices": [choice]}
             if usage_mode is not None:
-                event["usage"] = acc.usage(prompt_tokens) if usage_mode == "continuous" else None
+                # continuous: this choice's own prompt and tokens so far, as vLLM reports them
+                event["usage"] = (acc.usage(len(plan.prompts[u.index // plan.n]), u.index)
+                                  if usage_mode == "continuous" else None)
             yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
         if usage_mode is not None:
             event = {"id": request_id, "object": "text_completion", "created": created, "model": frontend.model_name,

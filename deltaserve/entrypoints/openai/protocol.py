@@ -168,7 +168,8 @@ def _lark_string(text: str) -> str:
 def _token_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()) or not int(key) < vocab_size:  # "²".isdigit() is True too
+        # "²".isdigit() is True too, and int() refuses over 4,300 digits: check the text first.
+        if not (key.isascii() and key.isdigit() and len(key) <= 19) or not int(key) < vocab_size:
             raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r:.40}",
                               param="logit_bias")
         out[int(key)] = value

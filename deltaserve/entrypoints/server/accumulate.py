@@ -30,16 +30,19 @@ class Choice:
 class ChoiceAccumulator:
     """Accumulates every update of a request with `n` choices."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, hide_reasoning: bool = False) -> None:
         self.choices = [Choice() for _ in range(n)]
         self.num_cached_tokens = 0
+        self.hide_reasoning = hide_reasoning
+        """include_reasoning false: the logprobs of reasoning tokens are left out with the reasoning itself."""
 
     def add(self, update: SequenceUpdate) -> None:
         c = self.choices[update.index]
         c.reasoning += update.delta.reasoning
         c.content += update.delta.content
         c.token_ids.extend(update.token_ids)
-        c.logprobs.extend(update.logprobs)
+        if not (self.hide_reasoning and update.delta.reasoning):
+            c.logprobs.extend(update.logprobs)
         for d in update.delta.tool_calls:
             entry = c.calls.setdefault(d.index, ["", "", ""])
             if d.id is not None:
@@ -53,9 +56,11 @@ class ChoiceAccumulator:
         if update.index == 0 and update.num_cached_tokens:
             self.num_cached_tokens = update.num_cached_tokens
 
-    def usage(self, prompt_tokens: int) -> dict[str, Any]:
-        """OpenAI usage: completion tokens summed over the choices; cached prompt tokens from the prefix cache."""
-        completion = sum(len(c.token_ids) for c in self.choices)
+    def usage(self, prompt_tokens: int, index: int | None = None) -> dict[str, Any]:
+        """OpenAI usage: completion tokens summed over the choices (or of choice `index` alone, as vLLM's
+        continuous usage stats count them); cached prompt tokens from the prefix cache."""
+        chosen = self.choices if index is None else [self.choices[index]]
+        completion = sum(len(c.token_ids) for c in chosen)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
