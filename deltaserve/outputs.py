@@ -29,3 +29,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (KV blocks and a KDA state checkpoint) instead of computed."""
+    prompt_logprobs: list | None = None
+    """With `SamplingParams.prompt_logprobs`: None for the first prompt token, then a `TokenLogprobs` per token
+    (its logprob given the tokens before it, its rank and the top alternatives), as vLLM's list starts with None."""

@@ -68,6 +68,9 @@ class SamplingParams:
     """Do not stop at the model's end-of-sequence tokens."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token and this many most likely alternatives (0: sampled only)."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of each prompt token after the first (given the tokens before it) and this many
+    most likely alternatives. Such a request is not served from the prefix cache (its prompt must be computed)."""
     skip_special_tokens: bool = True
     """Drop special tokens from the output text."""
     structured: StructuredOutput | None = None
@@ -102,10 +105,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         self._check_floats()
         _check_int("top_k", self.top_k, -1)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
-            if self.logprobs > 20:
-                raise ValueError(f"logprobs must be <= 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0)
+                if getattr(self, name) > 20:
+                    raise ValueError(f"{name} must be <= 20, got {getattr(self, name)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):

@@ -110,8 +110,9 @@ class CacheManager:
         return hashes[:num_blocks]
 
     def match(self, request: Request) -> PrefixHit:
-        """The longest prefix with cached KV and a checkpoint at its end; at least one token is left to compute."""
-        if not self.enable_prefix_caching:
+        """The longest prefix with cached KV and a checkpoint at its end; at least one token is left to compute.
+        None for a request that wants prompt logprobs: its whole prompt must run through the model."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return PrefixHit()
         bs, limit = self.block_size, request.num_tokens - 1
         hashes = self.hashes(request, limit // bs)

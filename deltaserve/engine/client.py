@@ -93,6 +93,8 @@ class RequestDelta:
     """Set on the request's last delta."""
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """On the first delta of a request with params.prompt_logprobs: one per prompt token after the first."""
 
 
 class AsyncEngineClient:
@@ -313,7 +315,7 @@ class AsyncEngineClient:
         if out.finish_reason is not None:
             del self._queues[out.request_id]
         queue.put_nowait(RequestDelta(out.request_id, out.new_token_ids, out.logprobs, out.finish_reason,
-                                      out.num_cached_tokens))
+                                      out.num_cached_tokens, out.prompt_logprobs))
 
     def _on_exit(self) -> None:
         """The engine process exited: deliver what it sent last, then fail every waiter."""

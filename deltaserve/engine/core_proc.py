@@ -223,5 +223,5 @@ class EngineProc:
         # client decodes them into messages.TokenLogprobs.
         return RequestOutput(request_id=out.request_id, new_token_ids=out.new_token_ids, logprobs=out.logprobs,
                              finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
-                             error=out.error)
+                             error=out.error, prompt_logprobs=out.prompt_logprobs)
 

@@ -44,6 +44,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     """Why the request finished with FinishReason.ERROR (e.g. its grammar failed to compile); None otherwise."""
+    prompt_logprobs: list[object] | None = None
+    """On a request's first output, with params.prompt_logprobs: a `TokenLogprobs` per prompt token after the
+    first."""
 
 
 @dataclass(slots=True)
@@ -119,6 +122,8 @@ class EngineCore:
             self.model_config.vocab_size,
         )
         self._arrivals = itertools.count()
+        self._prompt_logprobs: dict[str, list[object]] = {}
+        """Prompt logprobs computed by prefill chunks, until the request's first output carries them."""
         torch.manual_seed(config.seed)  # the shared generator of unseeded sampling
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -164,6 +169,7 @@ class EngineCore:
     def finish_request(self, request_id: str, reason: FinishReason) -> None:
         """End a request early with `reason` (a stop string found by the detokenizer); frees its grammar too."""
         request = self.structured.cancel(request_id) or self.scheduler.finish_request(request_id, reason)
+        self._prompt_logprobs.pop(request_id, None)
         if request is not None:
             request.grammar = None
 
@@ -217,6 +223,8 @@ class EngineCore:
         self._in_step = (list(outputs), list(self.scheduler.requests))  # what fail_unfinished reports if it raises
         out = self._with_grammar_bitmask(self.scheduler.schedule())
         result = self.runner.execute(out)
+        for rid, entries in result.prompt_logprobs.items():  # held until the request's first token
+            self._prompt_logprobs.setdefault(rid, []).extend(entries)
         events = self.scheduler.update_from_output(out, result)
         rejected = self._advance_grammars(events)
         elapsed = time.perf_counter() - start
@@ -231,6 +239,7 @@ class EngineCore:
                 request_id=e.request.request_id, new_token_ids=[e.token.token_id], logprobs=[e.token.logprobs],
                 finish_reason=e.finish_reason if error is None else FinishReason.ERROR,
                 num_cached_tokens=e.request.num_cached_tokens or 0, error=error,
+                prompt_logprobs=self._prompt_logprobs.pop(e.request.request_id, None),
             ))
         self._in_step = None
         return outputs

@@ -102,6 +102,8 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     error: str | None = None
     """Why the engine rejected the request (bad prompt or params: it never ran) or ended it (its grammar failed
     to compile or rejected a token); None otherwise."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """On the first output of a request with params.prompt_logprobs: one per prompt token after the first."""
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, kw_only=True):

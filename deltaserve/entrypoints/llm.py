@@ -157,6 +157,8 @@ class LLM:
                     continue
                 if not seq.output.token_ids and seq.output.index == 0:
                     seq.request.num_cached_tokens = ev.num_cached_tokens
+                    if ev.prompt_logprobs is not None:
+                        seq.request.prompt_logprobs = [None, *ev.prompt_logprobs]
                 seq.output.token_ids.extend(ev.new_token_ids)
                 seq.logprobs.extend(ev.logprobs)
                 update = seq.detokenizer.push(ev.new_token_ids)

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.layers.forward_batch import ForwardBatch, KDALayerCache
+from deltaserve.ops import sampling as sampling_ops
 from deltaserve.runner.kv_tensors import allocate_layer_caches
-from deltaserve.runner.sampler import SamplingRow, TokenBitmask, sample
+from deltaserve.runner.sampler import SamplingRow, TokenBitmask, TokenLogprobs, sample
 from deltaserve.scheduler.output import NewRequestData, RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 
 
@@ -21,6 +22,8 @@ class _RequestState:
     data: NewRequestData
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int = 0
+    """Prompt positions whose logprobs were already computed (a recompute after preemption does not repeat them)."""
 
 
 class ModelRunner:
@@ -34,6 +37,7 @@ class ModelRunner:
             model.cache_specs(), num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device=self.device
         )
         self._requests: dict[str, _RequestState] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_forward_seconds = 0.0
         """Wall time of the model forward (and LM head) in the last step: the rest of a step is overhead."""
 
@@ -49,6 +53,7 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             self._requests[data.request_id] = _RequestState(data, gen)
         sampled: dict[str, SampledToken] = {}
+        self._prompt_logprobs = {}
         self.apply_copies(out.block_copies, out.state_copies)
         if out.chunks:
             logits = self.execute_model(out.chunks, only_sampled=True)
@@ -64,7 +69,8 @@ class ModelRunner:
                 for c, s, tok, lp in zip(chunks, states, result.token_ids, result.logprobs, strict=True):
                     s.output_token_ids.append(tok)
                     sampled[c.request_id] = SampledToken(tok, lp)
-        return RunnerOutput(sampled=sampled, forward_seconds=self.last_forward_seconds)
+        return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
+                            forward_seconds=self.last_forward_seconds)
 
     def forget_requests(self) -> None:
         """Drop every request's sampling state (after a failed step ended them all)."""
@@ -97,8 +103,40 @@ class ModelRunner:
         wanted = [i for i, c in enumerate(chunks) if c.sample or not only_sampled]
         rows = last[inverse[torch.tensor(wanted, dtype=torch.int64)].to(last.device)]
         logits = self.model.compute_logits(hidden[rows])
+        self._collect_prompt_logprobs(chunks, hidden, batch.cu_seqlens_host, inverse.tolist())
         self.last_forward_seconds = time.perf_counter() - start
         return logits
+
+    PROMPT_LOGPROB_ROWS = 256
+    """Prompt positions per LM-head slice: [rows, vocab] fp32 logits stay small for a large vocabulary."""
+
+    def _collect_prompt_logprobs(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor,
+                                 cu_seqlens: Sequence[int], row_of_chunk: Sequence[int]) -> None:
+        """For chunks of requests with prompt_logprobs: the logprob (rank, top alternatives) of prompt token p + 1
+        at each computed position p not collected before, into `self._prompt_logprobs`."""
+        for i, c in enumerate(chunks):
+            state = self._requests.get(c.request_id)
+            if state is None or state.data.params.prompt_logprobs is None:
+                continue
+            prompt = state.data.prompt_token_ids
+            first = max(c.num_computed_tokens, state.num_prompt_logprobs)
+            end = min(c.num_computed_tokens + len(c.new_token_ids), len(prompt) - 1)
+            if first >= end:
+                continue
+            start_row = cu_seqlens[row_of_chunk[i]] - c.num_computed_tokens
+            entries = self._prompt_logprobs.setdefault(c.request_id, [])
+            for lo in range(first, end, self.PROMPT_LOGPROB_ROWS):
+                hi = min(lo + self.PROMPT_LOGPROB_ROWS, end)
+                logprobs = sampling_ops.compute_logprobs(self.model.compute_logits(
+                    hidden[start_row + lo:start_row + hi]))  # [n, V]
+                targets = torch.tensor(prompt[lo + 1:hi + 1], device=logprobs.device)
+                num_top = min(state.data.params.prompt_logprobs, logprobs.shape[1])
+                top_ids, top_lp, token_lp, ranks = sampling_ops.gather_logprobs(logprobs, targets, num_top)
+                for t, lp, rank, ids, values in zip(targets.tolist(), token_lp.tolist(), ranks.tolist(),
+                                                    top_ids.tolist(), top_lp.tolist(), strict=True):
+                    entries.append(TokenLogprobs(token_id=t, logprob=lp, rank=rank,
+                                                 top=tuple(zip(ids, values, strict=True))))
+            state.num_prompt_logprobs = end
 
     def build_batch(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
         """Flatten `chunks` (decodes first). Returns input ids [T], the batch, and the order used."""

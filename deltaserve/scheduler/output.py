@@ -79,5 +79,8 @@ class RunnerOutput:
     """What one executed step produced: a token for every chunk with `sample` set."""
 
     sampled: dict[str, SampledToken]
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    """Per request that asked for them, the `TokenLogprobs` of the prompt positions this step computed (in order;
+    the first prompt token has none)."""
     forward_seconds: float = 0.0
     """Time spent in the model forward and LM head (the rest of a step is scheduling/batching/sampling overhead)."""

@@ -16,6 +16,7 @@ import zmq
 
 from deltaserve.engine import core_proc
 from deltaserve.engine.core_proc import EngineProc, serve
+from deltaserve.engine.engine_core import EngineCoreOutput
 from deltaserve.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -59,7 +60,7 @@ class FakeCore:
         if self.live.pop(request_id, None) is not None:
             self.finished[request_id] = reason
 
-    def step(self) -> list[SimpleNamespace]:
+    def step(self) -> list[EngineCoreOutput]:
         if self.stats.steps == self.fail_at_step and self.failures:
             self.failures -= 1
             raise RuntimeError("injected failure")
@@ -68,19 +69,18 @@ class FakeCore:
         for rid, progress in list(self.live.items()):
             progress[0] += 1
             done = progress[0] == progress[1]
-            outs.append(SimpleNamespace(request_id=rid, new_token_ids=[self.stats.steps], logprobs=[None],
-                                        finish_reason=FinishReason.LENGTH if done else None, num_cached_tokens=0,
-                                        error=None))
+            outs.append(EngineCoreOutput(request_id=rid, new_token_ids=[self.stats.steps], logprobs=[None],
+                                         finish_reason=FinishReason.LENGTH if done else None))
             if done:
                 del self.live[rid]
         return outs
 
-    def fail_unfinished(self, error: str) -> list[SimpleNamespace]:
+    def fail_unfinished(self, error: str) -> list[EngineCoreOutput]:
         failed = list(self.live)
         for rid in failed:
             self.finish_request(rid, FinishReason.ERROR)
-        return [SimpleNamespace(request_id=rid, new_token_ids=[], logprobs=[], finish_reason=FinishReason.ERROR,
-                                num_cached_tokens=0, error=error) for rid in failed]
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], logprobs=[], finish_reason=FinishReason.ERROR,
+                                 error=error) for rid in failed]
 
     def get_stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.live), num_waiting=0, kv_blocks_used=0, kv_blocks_total=1,

@@ -84,8 +84,8 @@ def test_engine_on_emulated_cuda_equals_cpu(tiny_dir, variant):
 
 def test_sampling_structured_and_prefix_cache_on_emulated_cuda(tiny_dir):
     """Every sampler path (seeded and shared draws, top-k/p, min-p, penalties, min_tokens, logprobs, a grammar
-    bitmask, logit_bias, allowed_token_ids, bad words) and a prefix-cache hit, on the device, give the CPU run's
-    tokens and logprobs."""
+    bitmask, logit_bias, allowed_token_ids, bad words, prompt logprobs) and a prefix-cache hit, on the device, give
+    the CPU run's tokens and logprobs."""
     shared = list(range(100, 164))  # four 16-token blocks: the second round hits the cache
     prompts = [shared + [7, 8], shared + [9], [11, 12, 13], [5, 6]]
     params = [
@@ -95,13 +95,13 @@ def test_sampling_structured_and_prefix_cache_on_emulated_cuda(tiny_dir):
         SamplingParams(temperature=0.0, max_tokens=6, structured=StructuredOutput(kind="regex", spec="[ab ]+"),
                        logit_bias={97: 5.0}),
         SamplingParams(temperature=0.9, seed=4, max_tokens=6, allowed_token_ids=(3, 50, 97, 400), ignore_eos=True,
-                       bad_words_token_ids=((50,), (3, 97))),
+                       bad_words_token_ids=((50,), (3, 97)), prompt_logprobs=2),
     ]
 
     def run(llm: LLM) -> list:
         rounds = [llm.generate(prompts, params) for _ in range(2)]
         assert rounds[1][0].num_cached_tokens >= 48
-        return [(c.token_ids, c.logprobs) for r in rounds for o in r for c in o.outputs]
+        return [(c.token_ids, c.logprobs, o.prompt_logprobs) for r in rounds for o in r for c in o.outputs]
 
     cpu = run(LLM(model=str(tiny_dir("base")), seed=5))
     with emulated_cuda():

@@ -301,8 +301,11 @@ def test_streamed_completion_logprobs_equal_the_non_streamed(server, client, ech
             tokens += chunk.choices[0].logprobs.tokens
             values += chunk.choices[0].logprobs.token_logprobs
             offsets += chunk.choices[0].logprobs.text_offset
-    assert tokens == whole.tokens and len(tokens) == 12
+    prompt_len = len(httpx.post(f"{server.url}/tokenize", json={"prompt": "The scheduler"},
+                                headers=server.headers()).json()["tokens"]) if echo else 0
+    assert tokens == whole.tokens and len(tokens) == prompt_len + 12  # echo: the prompt's tokens come first
     assert values == pytest.approx(whole.token_logprobs) and offsets == whole.text_offset
+    assert (values[0] is None) == echo  # the first prompt token has no logprob
     if special:
         text = client.completions.create(**kwargs).choices[0].text
         assert len(text) < sum(len(t) for t in tokens)  # some tokens (the special ones) add no text

@@ -3,6 +3,8 @@ prompts the generation routes build (checked against their usage), and bad input
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
@@ -98,3 +100,30 @@ def test_prefill_continues_the_assistant_message(server):
                           ({"response_format": {"type": "json_object"}}, "response format")):
         err = _openai_error(_post(server, "/v1/chat/completions", {**body, **extra}), 400, "continue_final_message")
         assert needle in err["message"]
+
+
+def test_echo_logprobs_score_the_prompt(server):
+    """What lm-evaluation-harness sends to score a continuation (echo, logprobs, max_tokens 1, temperature 0): every
+    prompt token comes back, the first with a None logprob, then the generated one; the prompt values equal vLLM's
+    prompt_logprobs field, streamed or not, on completions and chat."""
+    text = "The scheduler decides which requests run next."
+    ids = _post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+    body = {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(text) and len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    field = _post(server, "/v1/completions", {**body, "echo": False, "prompt_logprobs": 0}).json()["choices"][0]
+    scored = field["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    assert [scored[k][str(ids[k])]["logprob"] for k in range(1, len(ids))] == lp["token_logprobs"][1:len(ids)]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                      headers=server.headers(), timeout=60) as resp:
+        streamed = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    tokens = [t for e in streamed for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    assert tokens == lp["tokens"]
+    chat = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}],
+                                                  "max_tokens": 1, "prompt_logprobs": 2}).json()
+    assert len(chat["choices"][0]["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]

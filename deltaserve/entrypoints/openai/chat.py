@@ -14,7 +14,7 @@ from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.chat.xtml import THINKING_EFFORTS
-from deltaserve.entrypoints.openai.logprobs import chat_logprobs
+from deltaserve.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from deltaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessageParam,
@@ -191,6 +191,8 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
             "logprobs": {"content": chat_logprobs(frontend.tokenizer, c.logprobs, plan.tokens_as_ids)}
             if plan.params.logprobs is not None else None,
             "finish_reason": _finish(c.finish_reason, bool(c.tool_calls)),
+            **({"prompt_logprobs": vllm_prompt_logprobs(frontend.tokenizer, c.prompt_logprobs or [])}
+               if body.prompt_logprobs is not None else {}),
         })
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": frontend.model_name,
             "choices": choices, "usage": acc.usage(len(plan.prompt_ids))}

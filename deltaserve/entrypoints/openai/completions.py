@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deltaserve.entrypoints.openai.logprobs import completion_logprobs
+from deltaserve.entrypoints.openai.logprobs import completion_logprobs, echo_prompt_logprobs, vllm_prompt_logprobs
 from deltaserve.entrypoints.openai.protocol import CompletionRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
@@ -46,6 +46,8 @@ class CompletionPlan:
             untouched = isinstance(p, str) and body.truncate_prompt_tokens is None
             self.texts.append(p if untouched else frontend.tokenizer.decode(ids))  # what echo shows
         bad_words = frontend.bad_words_token_ids(body.bad_words)
+        # OpenAI's echo with logprobs returns the prompt's logprobs too (how evaluation harnesses score text)
+        echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         structured = body.structured_extra()
         if structured is not None:
             frontend.validate_structured(structured, param="structured_outputs")
@@ -58,7 +60,8 @@ class CompletionPlan:
             self.params.append(body.sampling_params(max_tokens=max_tokens, logprobs=body.logprobs,
                                                     max_n=frontend.config.max_n,
                                                     vocab_size=frontend.client.info.vocab_size,
-                                                    structured=structured, bad_words_token_ids=bad_words))
+                                                    structured=structured, bad_words_token_ids=bad_words,
+                                                    prompt_logprobs=echo_logprobs))
         self.n = body.n
         self.echo = body.echo
         self.priority = frontend.check_priority(body.priority)
@@ -111,6 +114,13 @@ def _start(frontend: Frontend, plan: CompletionPlan, request_id: str) -> AsyncIt
     return _merge(streams, plan.n)
 
 
+def _with_prompt(frontend: Frontend, prompt_ids: list[int], prompt_logprobs: list | None,
+                 generated: dict[str, Any], as_ids: bool) -> dict[str, Any]:
+    """Echoed logprobs: the prompt's tokens (the first without a logprob) before the generated ones."""
+    prompt = echo_prompt_logprobs(frontend.tokenizer, prompt_ids, prompt_logprobs or [], as_ids)
+    return {key: prompt[key] + generated[key] for key in generated}
+
+
 async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, Any]:
     plan = CompletionPlan(frontend, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -120,11 +130,17 @@ async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, A
     choices = []
     for i, c in enumerate(acc.choices):
         prefix = plan.texts[i // plan.n] if plan.echo else ""
-        choices.append({"index": i, "text": prefix + c.content, "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_string,
-                        "logprobs": completion_logprobs(frontend.tokenizer, c.logprobs, len(prefix),
-                                                        body.return_tokens_as_token_ids)
-                        if body.logprobs is not None else None})
+        choice = {"index": i, "text": prefix + c.content, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_string, "logprobs": None}
+        if body.logprobs is not None:
+            choice["logprobs"] = completion_logprobs(frontend.tokenizer, c.logprobs, len(prefix),
+                                                     body.return_tokens_as_token_ids)
+            if plan.echo:
+                choice["logprobs"] = _with_prompt(frontend, plan.prompts[i // plan.n], c.prompt_logprobs,
+                                                  choice["logprobs"], body.return_tokens_as_token_ids)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(frontend.tokenizer, c.prompt_logprobs or [])
+        choices.append(choice)
     prompt_tokens = sum(len(p) for p in plan.prompts)
     return {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": frontend.model_name, "choices": choices, "usage": acc.usage(prompt_tokens)}
@@ -149,7 +165,8 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
         async for u in stream:
             acc.add(u)
             text = u.delta.content
-            if plan.echo and u.index not in echoed:
+            first = plan.echo and u.index not in echoed
+            if first:
                 echoed.add(u.index)
                 text = plan.texts[u.index // plan.n] + text
             wants_logprobs = body.logprobs is not None and any(lp is not None for lp in u.logprobs)
@@ -162,8 +179,13 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
                                                as_ids=body.return_tokens_as_token_ids)
                 offsets[u.index] = start + sum(len(frontend.tokenizer.decode_bytes([t]).decode("utf-8", "replace"))
                                                for t in u.token_ids)
+                if first:
+                    logprobs = _with_prompt(frontend, plan.prompts[u.index // plan.n], u.prompt_logprobs, logprobs,
+                                            body.return_tokens_as_token_ids)
             choice = {"index": u.index, "text": text, "finish_reason": u.finish_reason, "stop_reason": u.stop_string,
                       "logprobs": logprobs}
+            if body.prompt_logprobs is not None and u.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(frontend.tokenizer, u.prompt_logprobs)
             event: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
                                      "model": frontend.model_name, "choices": [choice]}
             if usage_mode is not None:

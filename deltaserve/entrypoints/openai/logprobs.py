@@ -47,3 +47,28 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[Any], text_offse
         offsets.append(offset)
         offset += len(bytes(raw).decode("utf-8", errors="replace"))
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], entries: Sequence[Any],
+                         as_ids: bool = False) -> dict[str, Any]:
+    """Legacy completions logprobs of an echoed prompt: every prompt token, the first with no logprob (None), as
+    OpenAI's echo with logprobs returns them; offsets from 0."""
+    tokens = [_token(tokenizer, prompt_ids[0], as_ids)[0]] if prompt_ids else []
+    rest = completion_logprobs(tokenizer, entries, as_ids=as_ids)
+    first_len = len(tokenizer.decode_bytes(list(prompt_ids[:1])).decode("utf-8", errors="replace"))
+    return {"tokens": tokens + rest["tokens"], "token_logprobs": [None] * len(tokens) + rest["token_logprobs"],
+            "top_logprobs": [None] * len(tokens) + rest["top_logprobs"],
+            "text_offset": [0] * len(tokens) + [first_len + o for o in rest["text_offset"]]}
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, entries: Sequence[Any]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` response field: None for the first prompt token, then per token a map
+    {token id: {logprob, rank, decoded_token}} of the prompt token and its top alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for lp in entries:
+        ranked = {lp.token_id: (lp.logprob, lp.rank)}
+        for rank, (tid, value) in enumerate(lp.top, start=1):
+            ranked.setdefault(tid, (value, rank))
+        out.append({str(tid): {"logprob": value, "rank": rank, "decoded_token": _token(tokenizer, tid)[0]}
+                    for tid, (value, rank) in ranked.items()})
+    return out

@@ -82,6 +82,9 @@ class SamplingFields(_Request):
     """vLLM's: lower is served first, on a server started with `--policy priority`."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """vLLM's: keep only the last this many prompt tokens (of the rendered prompt, for chat); -1: max_model_len."""
+    prompt_logprobs: int | None = None
+    """vLLM's: the logprobs of the prompt's tokens (and this many alternatives), as `prompt_logprobs` in each
+    choice; such a request is not served from the prefix cache."""
     return_tokens_as_token_ids: bool = False
     """vLLM's: logprobs name tokens "token_id:N" (exact ids, also for tokens that are not valid UTF-8 alone)."""
 
@@ -106,7 +109,8 @@ class SamplingFields(_Request):
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, max_n: int, vocab_size: int,
                         structured: StructuredOutput | None = None, skip_special_tokens: bool | None = None,
-                        bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+                        bad_words_token_ids: tuple[tuple[int, ...], ...] = (), prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
         """SamplingParams from these fields; 400 naming the field for an invalid value."""
         if not 1 <= self.n <= max_n:
             raise bad_request(f"n must be between 1 and {max_n}, got {self.n}", param="n")
@@ -121,6 +125,7 @@ class SamplingFields(_Request):
             "skip_special_tokens": self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             "structured": structured, "logit_bias": bias, "allowed_token_ids": self.allowed_token_ids,
             "bad_words_token_ids": bad_words_token_ids,
+            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):

@@ -21,6 +21,8 @@ class Choice:
     stop_string: str | None = None
     calls: dict[int, list[str]] = field(default_factory=dict)
     """Tool call index -> [id, name, arguments]."""
+    prompt_logprobs: list[Any] | None = None
+    """With params.prompt_logprobs: one `TokenLogprobs` per prompt token after the first."""
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -53,6 +55,8 @@ class ChoiceAccumulator:
         if update.finish_reason is not None:
             c.finish_reason = update.finish_reason
             c.stop_string = update.stop_string
+        if update.prompt_logprobs is not None:
+            c.prompt_logprobs = update.prompt_logprobs
         if update.index == 0 and update.num_cached_tokens:
             self.num_cached_tokens = update.num_cached_tokens
 

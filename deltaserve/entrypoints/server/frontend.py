@@ -99,6 +99,9 @@ class SequenceUpdate:
     stop_string: str | None = None
     num_cached_tokens: int = 0
     """Prompt tokens the engine served from the prefix cache."""
+    prompt_logprobs: list | None = None
+    """On a sequence's first update, with params.prompt_logprobs: a `TokenLogprobs` per prompt token after the
+    first."""
 
 
 @dataclass(slots=True)
@@ -296,7 +299,7 @@ class Frontend:
                         e2e=now - arrival)
                 yield SequenceUpdate(index=child.index, delta=delta, token_ids=list(item.new_token_ids),
                                      logprobs=list(item.logprobs), finish_reason=reason, stop_string=stop_string,
-                                     num_cached_tokens=item.num_cached_tokens)
+                                     num_cached_tokens=item.num_cached_tokens, prompt_logprobs=item.prompt_logprobs)
         finally:
             for task in tasks:
                 task.cancel()
