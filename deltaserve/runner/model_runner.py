@@ -103,9 +103,14 @@ class ModelRunner:
         wanted = [i for i, c in enumerate(chunks) if c.sample or not only_sampled]
         rows = last[inverse[torch.tensor(wanted, dtype=torch.int64)].to(last.device)]
         logits = self.model.compute_logits(hidden[rows])
-        self._collect_prompt_logprobs(chunks, hidden, batch.cu_seqlens_host, inverse.tolist())
+        if any(self._wants_prompt_logprobs(c.request_id) for c in chunks):
+            self._collect_prompt_logprobs(chunks, hidden, batch.cu_seqlens_host, inverse.tolist())
         self.last_forward_seconds = time.perf_counter() - start
         return logits
+
+    def _wants_prompt_logprobs(self, request_id: str) -> bool:
+        state = self._requests.get(request_id)
+        return state is not None and state.data.params.prompt_logprobs is not None
 
     PROMPT_LOGPROB_ROWS = 256
     """Prompt positions per LM-head slice: [rows, vocab] fp32 logits stay small for a large vocabulary."""
@@ -115,9 +120,9 @@ class ModelRunner:
         """For chunks of requests with prompt_logprobs: the logprob (rank, top alternatives) of prompt token p + 1
         at each computed position p not collected before, into `self._prompt_logprobs`."""
         for i, c in enumerate(chunks):
-            state = self._requests.get(c.request_id)
-            if state is None or state.data.params.prompt_logprobs is None:
+            if not self._wants_prompt_logprobs(c.request_id):
                 continue
+            state = self._requests[c.request_id]
             prompt = state.data.prompt_token_ids
             first = max(c.num_computed_tokens, state.num_prompt_logprobs)
             end = min(c.num_computed_tokens + len(c.new_token_ids), len(prompt) - 1)
