@@ -239,10 +239,17 @@ class EngineCore:
                 request_id=e.request.request_id, new_token_ids=[e.token.token_id], logprobs=[e.token.logprobs],
                 finish_reason=e.finish_reason if error is None else FinishReason.ERROR,
                 num_cached_tokens=e.request.num_cached_tokens or 0, error=error,
-                prompt_logprobs=self._prompt_logprobs.pop(e.request.request_id, None),
+                prompt_logprobs=self._first_prompt_logprobs(e.request),
             ))
         self._in_step = None
         return outputs
+
+    def _first_prompt_logprobs(self, request: Request) -> list[object] | None:
+        """The prompt logprobs for the output of a request's first token ([] for a one-token prompt, which has
+        nothing to score); None on later outputs and for requests that did not ask."""
+        if request.params.prompt_logprobs is None or len(request.output_token_ids) != 1:
+            return None
+        return self._prompt_logprobs.pop(request.request_id, [])
 
     # -- structured output ---------------------------------------------------------------------------------------
 

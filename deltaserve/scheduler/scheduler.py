@@ -186,7 +186,7 @@ class Scheduler:
     def _inflight_prefix(self, request: Request, hit_length: int) -> bool:
         """Whether a running request's prefill will soon checkpoint a shared prefix covering at least half of
         what this prompt would otherwise compute (waiting for a small gain would only delay it)."""
-        if not self.cache.enable_prefix_caching:
+        if not self.cache.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return False
         bs = self.cache.block_size
         mine = self.cache.hashes(request, (request.num_prompt_tokens - 1) // bs)

@@ -124,6 +124,28 @@ def test_echo_logprobs_score_the_prompt(server):
         streamed = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     tokens = [t for e in streamed for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])]
     assert tokens == lp["tokens"]
-    chat = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": text}],
-                                                  "max_tokens": 1, "prompt_logprobs": 2}).json()
-    assert len(chat["choices"][0]["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    chat_body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                 "prompt_logprobs": 2}
+    chat = _post(server, "/v1/chat/completions", chat_body).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]  # vLLM: beside the choices
+    _openai_error(_post(server, "/v1/chat/completions", {**chat_body, "stream": True}), 400, "prompt_logprobs")
+    # several prompts in one request (lm-eval batches): each choice scores its own prompt (they were lost)
+    two = _post(server, "/v1/completions", {**body, "prompt": [ids, ids[:3]]}).json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in two] == [len(ids) + 1, 3 + 1]
+    assert two[0]["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)  # batched numerics
+    one = _post(server, "/v1/completions", {**body, "prompt": ids[:1], "prompt_logprobs": 0}).json()["choices"][0]
+    assert one["prompt_logprobs"] == [None] and one["logprobs"]["token_logprobs"][0] is None
+
+
+def test_echo_text_offsets_follow_the_text(server):
+    """Text offsets of an echoed prompt are the lengths of its decoded prefixes, also when a character's UTF-8 bytes
+    are split over tokens (each token counted alone, they drifted by one per split character)."""
+    text = "wörld ñandú ü 😀 日本"
+    ids = _post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+    body = {"model": "tiny", "prompt": text, "max_tokens": 3, "temperature": 0, "logprobs": 0, "echo": True,
+            "ignore_eos": True}
+    choice = _post(server, "/v1/completions", body).json()["choices"][0]
+    offsets = choice["logprobs"]["text_offset"]
+    prefixes = [len(_post(server, "/detokenize", {"tokens": ids[:k]}).json()["prompt"]) for k in range(len(ids))]
+    assert offsets[:len(ids)] == prefixes and len(ids) > len(text) / 2  # several multi-byte splits in this vocab
+    assert offsets == sorted(offsets) and offsets[-1] < len(choice["text"])

@@ -191,15 +191,18 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
             "logprobs": {"content": chat_logprobs(frontend.tokenizer, c.logprobs, plan.tokens_as_ids)}
             if plan.params.logprobs is not None else None,
             "finish_reason": _finish(c.finish_reason, bool(c.tool_calls)),
-            **({"prompt_logprobs": vllm_prompt_logprobs(frontend.tokenizer, c.prompt_logprobs or [])}
-               if body.prompt_logprobs is not None else {}),
         })
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": frontend.model_name,
-            "choices": choices, "usage": acc.usage(len(plan.prompt_ids))}
+    response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": frontend.model_name, "choices": choices, "usage": acc.usage(len(plan.prompt_ids))}
+    if body.prompt_logprobs is not None:  # vLLM puts the prompt's logprobs beside the choices (one prompt)
+        response["prompt_logprobs"] = vllm_prompt_logprobs(frontend.tokenizer, acc.choices[0].prompt_logprobs or [])
+    return response
 
 
 async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest) -> AsyncIterator[str]:
     """Validate now (errors become HTTP errors), then return the SSE event stream."""
+    if body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported when streaming (as in vLLM)", param="prompt_logprobs")
     plan = ChatPlan(frontend, body)
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

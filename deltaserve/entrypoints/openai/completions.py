@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deltaserve.entrypoints.openai.logprobs import completion_logprobs, echo_prompt_logprobs, vllm_prompt_logprobs
+from deltaserve.entrypoints.openai.logprobs import (
+    char_len,
+    completion_logprobs,
+    echo_prompt_logprobs,
+    vllm_prompt_logprobs,
+)
 from deltaserve.entrypoints.openai.protocol import CompletionRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
@@ -95,9 +101,7 @@ async def _merge(streams: list[AsyncIterator[SequenceUpdate]], n: int) -> AsyncI
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield SequenceUpdate(index=p * n + item.index, delta=item.delta, token_ids=item.token_ids,
-                                     logprobs=item.logprobs, finish_reason=item.finish_reason,
-                                     stop_string=item.stop_string, num_cached_tokens=item.num_cached_tokens)
+                yield dataclasses.replace(item, index=p * n + item.index)
     finally:
         for t in tasks:
             t.cancel()
@@ -177,8 +181,7 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
                 start = offsets.get(u.index, len(text) - len(u.delta.content))  # after an echoed prompt
                 logprobs = completion_logprobs(frontend.tokenizer, u.logprobs, start,
                                                as_ids=body.return_tokens_as_token_ids)
-                offsets[u.index] = start + sum(len(frontend.tokenizer.decode_bytes([t]).decode("utf-8", "replace"))
-                                               for t in u.token_ids)
+                offsets[u.index] = start + sum(char_len(frontend.tokenizer.decode_bytes([t])) for t in u.token_ids)
                 if first:
                     logprobs = _with_prompt(frontend, plan.prompts[u.index // plan.n], u.prompt_logprobs, logprobs,
                                             body.return_tokens_as_token_ids)

@@ -15,6 +15,13 @@ def _token(tokenizer: Tokenizer, token_id: int, as_id: bool = False) -> tuple[st
     return text, list(raw)
 
 
+def char_len(raw: Sequence[int] | bytes) -> int:
+    """Characters a token's UTF-8 bytes add to the text: every byte that does not continue a character. A character
+    split over two tokens counts once (decoding each token alone would count two replacement characters), so text
+    offsets stay on the text."""
+    return sum(1 for b in raw if b & 0xC0 != 0x80)
+
+
 def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[Any], as_ids: bool = False) -> list[dict[str, Any]]:
     """`[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`, one per token with logprobs; tokens
     as "token_id:N" with `as_ids`."""
@@ -45,7 +52,7 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[Any], text_offse
         values.append(lp.logprob)
         tops.append({_token(tokenizer, tid, as_ids)[0]: value for tid, value in lp.top} or None)
         offsets.append(offset)
-        offset += len(bytes(raw).decode("utf-8", errors="replace"))
+        offset += char_len(raw)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -55,7 +62,7 @@ def echo_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], entrie
     OpenAI's echo with logprobs returns them; offsets from 0."""
     tokens = [_token(tokenizer, prompt_ids[0], as_ids)[0]] if prompt_ids else []
     rest = completion_logprobs(tokenizer, entries, as_ids=as_ids)
-    first_len = len(tokenizer.decode_bytes(list(prompt_ids[:1])).decode("utf-8", errors="replace"))
+    first_len = char_len(tokenizer.decode_bytes(list(prompt_ids[:1])))
     return {"tokens": tokens + rest["tokens"], "token_logprobs": [None] * len(tokens) + rest["token_logprobs"],
             "top_logprobs": [None] * len(tokens) + rest["top_logprobs"],
             "text_offset": [0] * len(tokens) + [first_len + o for o in rest["text_offset"]]}

@@ -125,7 +125,8 @@ class SamplingFields(_Request):
             "skip_special_tokens": self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
             "structured": structured, "logit_bias": bias, "allowed_token_ids": self.allowed_token_ids,
             "bad_words_token_ids": bad_words_token_ids,
-            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            # vLLM's rule: an explicit prompt_logprobs wins; echo with logprobs only fills it in when absent
+            "prompt_logprobs": self.prompt_logprobs if self.prompt_logprobs is not None else prompt_logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
