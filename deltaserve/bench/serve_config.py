@@ -48,6 +48,9 @@ class ServeBenchConfig:
     DELTASERVE_API_KEY."""
     insecure: bool = False
     """Do not verify the server's TLS certificate (https base URLs)."""
+    trust_remote_code: bool = False
+    """Accepted for `vllm bench serve` command lines (Kimi's need it there); no effect: tokenizers load without
+    running a checkpoint's code."""
     ready_check_timeout_sec: int = 60
     """Seconds to wait for the server (GET /v1/models) before giving up; then one short test request (0: skip)."""
     dataset_name: str = field(default="random", metadata={"choices": list(DATASETS)})

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch threads of the engine process (default: one per core)")
     srv.add_argument("--structured-output-backend", default="llguidance", choices=["llguidance", "xgrammar"],
                      help="grammar library for response_format and forced tool calls (default: llguidance)")
+    srv.add_argument("--trust-remote-code", action="store_true",
+                     help="accepted for `vllm serve` command lines (Kimi's need it there); no effect: deltaserve "
+                          "implements the models and never runs a checkpoint's code")
     add_dataclass_args(srv.add_argument_group("server"), ServerConfig)
     engine = srv.add_argument_group("engine (help generated from the config dataclasses)")
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})

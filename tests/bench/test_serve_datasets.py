@@ -188,10 +188,10 @@ def test_cli_uses_vllm_flag_names():
     argv = ["bench", "serve", "--input_len", "64", "--output-len", "9", "--num_prompts=3", "--min-p", "0.1",
             "--frequency_penalty", "0.5", "--presence-penalty", "0.2", "--repetition-penalty", "1.1", "--logprobs", "2",
             "--append-result", "--insecure", "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1",
-            "--ramp-up-end-rps", "4"]
+            "--ramp-up-end-rps", "4", "--trust-remote-code"]
     cfg = config_from_args(ServeBenchConfig, build_parser().parse_args(dashes_in_flags(argv)))
     assert (cfg.random_input_len, cfg.random_output_len, cfg.num_prompts) == (64, 9, 3)
     assert (cfg.min_p, cfg.frequency_penalty, cfg.presence_penalty, cfg.repetition_penalty) == (0.1, 0.5, 0.2, 1.1)
-    assert cfg.logprobs == 2 and cfg.append_result and cfg.insecure
+    assert cfg.logprobs == 2 and cfg.append_result and cfg.insecure and cfg.trust_remote_code
     assert (cfg.ramp_up_strategy, cfg.ramp_up_start_rps, cfg.ramp_up_end_rps) == ("linear", 1, 4)
     assert dashes_in_flags(["--a_b=c_d", "x_y", "--", "--e_f"]) == ["--a-b=c_d", "x_y", "--", "--e_f"]
