@@ -73,7 +73,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     """Pick one token per row.
 
     Order (vLLM v1): every token outside ``allowed_token_ids``, the completing token of each ``bad_words``
-    sequence, and stop tokens for rows below ``min_tokens`` masked (min_tokens gives way if that leaves nothing);
+    sequence, and stop tokens for rows below ``min_tokens`` masked (a row this would leave empty keeps its stop
+    tokens);
     the grammar bitmask of constrained rows (should the masks and the grammar leave a row nothing, the grammar
     applies without the min_tokens mask, then alone); ``logit_bias``; repetition, frequency and presence penalties;
     greedy rows (temperature below 1e-5) take the argmax; the others divide by their temperature, apply min-p and
@@ -117,9 +118,7 @@ def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     ]
     if not pairs:
         return logits
-    row_idx, token_idx = torch.tensor(pairs, device=logits.device).T
-    masked = logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                                 device=logits.device))
+    masked = _mask_pairs(logits, pairs)
     # A row left with nothing (allowed_token_ids are all stop tokens) keeps its stop tokens, or it would sample from
     # an all -inf row (id 0). The request still does not end before min_tokens. Selected on the device: no sync.
     empty = torch.isneginf(masked.amax(dim=-1, keepdim=True))  # [N, 1]
@@ -151,8 +150,11 @@ def _ban_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     vocab_size = logits.shape[1]
     pairs = [(i, word[-1]) for i, row in enumerate(rows) for word in row.params.bad_words_token_ids
              if word[-1] < vocab_size and _ends_with(row.output_token_ids, word[:-1])]
-    if not pairs:
-        return logits
+    return _mask_pairs(logits, pairs) if pairs else logits
+
+
+def _mask_pairs(logits: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """A copy of `logits` with -inf at each (row, token) pair."""
     row_idx, token_idx = torch.tensor(pairs, device=logits.device).T
     return logits.index_put((row_idx, token_idx), torch.tensor(float("-inf"), dtype=logits.dtype,
                                                                device=logits.device))

@@ -61,11 +61,10 @@ def echo_prompt_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], entrie
     """Legacy completions logprobs of an echoed prompt: every prompt token, the first with no logprob (None), as
     OpenAI's echo with logprobs returns them; offsets from 0."""
     tokens = [_token(tokenizer, prompt_ids[0], as_ids)[0]] if prompt_ids else []
-    rest = completion_logprobs(tokenizer, entries, as_ids=as_ids)
-    first_len = char_len(tokenizer.decode_bytes(list(prompt_ids[:1])))
+    rest = completion_logprobs(tokenizer, entries, char_len(tokenizer.decode_bytes(list(prompt_ids[:1]))), as_ids)
     return {"tokens": tokens + rest["tokens"], "token_logprobs": [None] * len(tokens) + rest["token_logprobs"],
             "top_logprobs": [None] * len(tokens) + rest["top_logprobs"],
-            "text_offset": [0] * len(tokens) + [first_len + o for o in rest["text_offset"]]}
+            "text_offset": [0] * len(tokens) + rest["text_offset"]}
 
 
 def vllm_prompt_logprobs(tokenizer: Tokenizer, entries: Sequence[Any]) -> list[dict[str, Any] | None]:
