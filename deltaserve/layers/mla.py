@@ -1,4 +1,5 @@
-"""Multi-head latent attention (NoPE) layer over a paged latent cache: expanded prefill, absorbed decode."""
+"""Multi-head latent attention (NoPE) layer over a paged latent cache: expanded prefill, absorbed decode (the layer
+absorbs `kv_b` into the query and the output; the decode op is pure latent attention)."""
 
 from __future__ import annotations
 
@@ -49,24 +50,28 @@ class MLAttention(nn.Module):
         q = q.reshape(t, cfg.num_heads, cfg.qk_head_dim)
         c = rms_norm(ckv[:, : cfg.kv_lora_rank], self.kv_a_layernorm.weight, LATENT_NORM_EPS)
         mla_write_cache(torch.cat([c, ckv[:, cfg.kv_lora_rank :]], dim=-1), cache.kv, batch.slot_mapping)
-        dims = dict(
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            scale=self.scale,
-        )
+        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # [H, Dn, R], [H, Dv, R]
         outs = []
         if nd:
-            outs.append(
-                mla_decode(q[:nd], cache.kv, batch.block_tables[:nd], batch.context_lens[:nd], self.kv_b_proj.weight,
-                           **dims)
-            )
+            outs.append(self._decode(q[:nd], w_uk, w_uv, batch, cache))
         if nd < t:
             outs.append(
                 mla_prefill(q[nd:], cache.kv, batch.block_tables[nd:], batch.prefill_cu_seqlens(),
-                            batch.context_lens[nd:], self.kv_b_proj.weight, **dims)
+                            batch.context_lens[nd:], w_uk, w_uv, scale=self.scale)
             )
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, cfg.num_heads * cfg.v_head_dim)
         if cfg.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
+
+    def _decode(self, q: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, batch: ForwardBatch,
+                cache: MLALayerCache) -> torch.Tensor:
+        """Absorbed decode (spec §4.2): q [N, H, Dn+Dr] -> latent query [W_uk^T q_n ; q_r] -> latent attention over
+        the cache -> W_uv -> [N, H, Dv]."""
+        nd, dn = q.shape[0], self.cfg.qk_nope_head_dim
+        w_uk, w_uv = w_uk.to(q.dtype), w_uv.to(q.dtype)
+        q_latent = torch.cat([torch.einsum("nhd,hdr->nhr", q[..., :dn], w_uk), q[..., dn:]], dim=-1)  # [N, H, R+Dr]
+        o_latent = mla_decode(q_latent, cache.kv, batch.block_tables[:nd], batch.context_lens[:nd],
+                              kv_lora_rank=self.cfg.kv_lora_rank, scale=self.scale)  # [N, H, R]
+        return torch.einsum("nhr,hvr->nhv", o_latent, w_uv)

@@ -1,4 +1,5 @@
-"""Parity of deltaserve.ops.mla (paged latent cache, expanded prefill, absorbed decode; spec §4)."""
+"""Parity of deltaserve.ops.mla (paged latent cache, expanded prefill, latent decode absorbed as the layer does;
+spec §4)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from deltaserve.ops.norm import rms_norm
 
 HEADS, NOPE, ROPE, V_DIM, RANK = 3, 12, 8, 10, 24
 SCALE = (NOPE + ROPE) ** -0.5
-DIMS = {"kv_lora_rank": RANK, "qk_nope_head_dim": NOPE, "v_head_dim": V_DIM, "scale": SCALE}
+
 
 
 def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, rtol: float) -> None:
@@ -70,6 +71,25 @@ def random_problem(
     return latents, queries, kv_b
 
 
+def split_kv_b(kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b [Hm*(Dn+Dv), R] -> W_uk [Hm, Dn, R], W_uv [Hm, Dv, R] (views, as the layer passes them)."""
+    w = kv_b.view(HEADS, NOPE + V_DIM, RANK)
+    return w[:, :NOPE], w[:, NOPE:]
+
+
+def prefill(q: torch.Tensor, cache: PagedCache, cu: torch.Tensor, ctx: torch.Tensor, kv_b: torch.Tensor):
+    return mla_prefill(q, cache.kv_cache, cache.block_tables, cu, ctx, *split_kv_b(kv_b), scale=SCALE)
+
+
+def absorbed_decode(q: torch.Tensor, cache: PagedCache, ctx: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+    """The layer's decode: latent query [W_uk^T q_n ; q_r], mla_decode, then W_uv: [N, Hm, Dq] -> [N, Hm, Dv]."""
+    w_uk, w_uv = split_kv_b(kv_b.to(q.dtype))
+    q_latent = torch.cat([torch.einsum("nhd,hdr->nhr", q[..., :NOPE], w_uk), q[..., NOPE:]], dim=-1)
+    o_latent = mla_decode(q_latent, cache.kv_cache, cache.block_tables, ctx, kv_lora_rank=RANK, scale=SCALE)
+    assert o_latent.shape == (q.shape[0], HEADS, RANK) and o_latent.dtype == q.dtype
+    return torch.einsum("nhr,hvr->nhv", o_latent, w_uv)
+
+
 def write_all(cache: PagedCache, latents: list[torch.Tensor], ends: list[int], starts: list[int] | None = None) -> None:
     starts = starts or [0] * len(latents)
     for i, lat in enumerate(latents):
@@ -105,9 +125,7 @@ def test_mla_prefill(block_size: int) -> None:
     latents, queries, kv_b = random_problem(g, LENGTHS)
     cache = PagedCache(g, LENGTHS, block_size, torch.float32)
     write_all(cache, latents, LENGTHS)
-    out = mla_prefill(
-        torch.cat(queries), cache.kv_cache, cache.block_tables, cu_of(LENGTHS), torch.tensor(LENGTHS), kv_b, **DIMS
-    )
+    out = prefill(torch.cat(queries), cache, cu_of(LENGTHS), torch.tensor(LENGTHS), kv_b)
     ref = torch.cat([dense_mla(q, lat, kv_b) for q, lat in zip(queries, latents, strict=True)])
     assert out.dtype == torch.float32
     assert_close("mla_prefill", ref, out, 1e-5)
@@ -121,29 +139,13 @@ def test_mla_prefill_chunked(block_size: int) -> None:
     latents, queries, kv_b = random_problem(g, LENGTHS)
     cache = PagedCache(g, LENGTHS, block_size, torch.float32)
     write_all(cache, latents, first)  # only the first chunk is cached for the first call
-    out1 = mla_prefill(
-        torch.cat([q[:a] for q, a in zip(queries, first, strict=True)]),
-        cache.kv_cache,
-        cache.block_tables,
-        cu_of(first),
-        torch.tensor(first),
-        kv_b,
-        **DIMS,
-    )
+    out1 = prefill(torch.cat([q[:a] for q, a in zip(queries, first, strict=True)]), cache, cu_of(first),
+                   torch.tensor(first), kv_b)
     write_all(cache, latents, LENGTHS, starts=first)
     second = [n - a for n, a in zip(LENGTHS, first, strict=True)]
-    out2 = mla_prefill(
-        torch.cat([q[a:] for q, a in zip(queries, first, strict=True)]),
-        cache.kv_cache,
-        cache.block_tables,
-        cu_of(second),
-        torch.tensor(LENGTHS),
-        kv_b,
-        **DIMS,
-    )
-    one_shot = mla_prefill(
-        torch.cat(queries), cache.kv_cache, cache.block_tables, cu_of(LENGTHS), torch.tensor(LENGTHS), kv_b, **DIMS
-    )
+    out2 = prefill(torch.cat([q[a:] for q, a in zip(queries, first, strict=True)]), cache, cu_of(second),
+                   torch.tensor(LENGTHS), kv_b)
+    one_shot = prefill(torch.cat(queries), cache, cu_of(LENGTHS), torch.tensor(LENGTHS), kv_b)
     c1, c2 = cu_of(first).tolist(), cu_of(second).tolist()
     chunked = torch.cat([torch.cat([out1[c1[i] : c1[i + 1]], out2[c2[i] : c2[i + 1]]]) for i in range(len(LENGTHS))])
     assert_close("mla_prefill_chunked", one_shot, chunked, 1e-6)
@@ -154,21 +156,38 @@ def test_mla_prefill_chunked(block_size: int) -> None:
     ("dtype", "rtol"), [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.float64, 1e-12, id="fp64")]
 )
 def test_mla_decode_absorbed(block_size: int, dtype: torch.dtype, rtol: float) -> None:
-    """Absorbed decode (MQA over the latent) == expanded prefill with one query per sequence."""
+    """Latent decode (MQA over the cache rows) with the layer's absorption == expanded prefill with one query per
+    sequence."""
     g = torch.Generator().manual_seed(3)
     latents, queries, kv_b = random_problem(g, LENGTHS)
     cache = PagedCache(g, LENGTHS, block_size, dtype)
     write_all(cache, [lat.to(dtype) for lat in latents], LENGTHS)
     q = torch.stack([qs[-1] for qs in queries]).to(dtype)  # [N, Hm, Dq]
     ctx = torch.tensor(LENGTHS)
-    absorbed = mla_decode(q, cache.kv_cache, cache.block_tables, ctx, kv_b.to(dtype), **DIMS)
-    expanded = mla_prefill(
-        q, cache.kv_cache, cache.block_tables, cu_of([1] * len(LENGTHS)), ctx, kv_b.to(dtype), **DIMS
-    )
+    absorbed = absorbed_decode(q, cache, ctx, kv_b.to(dtype))
+    expanded = prefill(q, cache, cu_of([1] * len(LENGTHS)), ctx, kv_b.to(dtype))
     assert absorbed.dtype == dtype
     assert_close("mla_decode", expanded, absorbed, rtol)
     ref = torch.stack([dense_mla(qs[-1:], lat, kv_b)[0] for qs, lat in zip(queries, latents, strict=True)])
     assert_close("mla_decode_vs_dense", ref, absorbed.double(), max(rtol, 1e-12))
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_mla_decode_latent_attention(block_size: int) -> None:
+    """mla_decode is MQA of every head over the sequence's cache rows [c ; kr], with the latent c as the value."""
+    g = torch.Generator().manual_seed(5)
+    latents, _, _ = random_problem(g, LENGTHS)
+    cache = PagedCache(g, LENGTHS, block_size, torch.float32)
+    write_all(cache, latents, LENGTHS)
+    q = torch.randn(len(LENGTHS), HEADS, RANK + ROPE, generator=g)
+    out = mla_decode(q, cache.kv_cache, cache.block_tables, torch.tensor(LENGTHS), kv_lora_rank=RANK, scale=SCALE)
+    ref = torch.stack([
+        torch.einsum("hl,lr->hr", (SCALE * torch.einsum("hk,lk->hl", q[i].double(), lat.double())).softmax(-1),
+                     lat[:, :RANK].double())
+        for i, lat in enumerate(latents)
+    ])
+    assert out.shape == (len(LENGTHS), HEADS, RANK)
+    assert_close("mla_decode_latent", ref, out.double(), 1e-6)
 
 
 @pytest.mark.parametrize("with_chunk", [pytest.param(False, id="one_shot"), pytest.param(True, id="chunk_then_decode")])
@@ -213,18 +232,12 @@ def test_mla_matches_transformers_attention(with_chunk: bool) -> None:
         mla_write_cache(latent, cache.kv_cache, cache.slots(0, 0, num_tokens))
         kv_b = attn.kv_b_proj.weight
         if with_chunk:  # prefill the first 7 queries, then decode the remaining 4 one at a time
-            parts = [
-                mla_prefill(q[:7], cache.kv_cache, cache.block_tables, cu_of([7]), torch.tensor([7]), kv_b, **DIMS)
-            ]
+            parts = [prefill(q[:7], cache, cu_of([7]), torch.tensor([7]), kv_b)]
             for t in range(7, num_tokens):
-                parts.append(
-                    mla_decode(q[t : t + 1], cache.kv_cache, cache.block_tables, torch.tensor([t + 1]), kv_b, **DIMS)
-                )
+                parts.append(absorbed_decode(q[t : t + 1], cache, torch.tensor([t + 1]), kv_b))
             o = torch.cat(parts)
         else:
-            o = mla_prefill(
-                q, cache.kv_cache, cache.block_tables, cu_of([num_tokens]), torch.tensor([num_tokens]), kv_b, **DIMS
-            )
+            o = prefill(q, cache, cu_of([num_tokens]), torch.tensor([num_tokens]), kv_b)
         out = attn.o_proj(o.reshape(num_tokens, HEADS * V_DIM))
     assert attn.scaling == SCALE
     assert_close("mla_vs_transformers", ref[0], out, 1e-5)

@@ -1,12 +1,13 @@
-"""Reference paged MLA without positional encoding (model-spec §4): cache write, expanded prefill, absorbed decode.
+"""Reference paged MLA without positional encoding (model-spec §4): cache write, expanded prefill, latent decode.
 
-Pure PyTorch; the specification and test oracle for any fast backend. The cache row of a token is ``[c ; kr]``.
+Pure PyTorch; the specification and test oracle for any fast backend. The cache row of a token is ``[c ; kr]``. The
+layer owns ``kv_b``: it passes its key and value halves to the prefill, and absorbs them around the decode (which is
+pure latent attention, MQA over the cache rows).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -43,12 +44,6 @@ def _gather_context(kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor
     return rows[:, :num_positions]
 
 
-def _split_kv_b(kv_b_weight: Tensor, qk_nope_head_dim: int, v_head_dim: int) -> tuple[Tensor, Tensor]:
-    """``kv_b_weight [Hm*(Dn+Dv), R]`` -> ``W_uk [Hm, Dn, R]``, ``W_uv [Hm, Dv, R]``."""
-    w = kv_b_weight.view(-1, qk_nope_head_dim + v_head_dim, kv_b_weight.shape[-1])
-    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
-
-
 def _masked_softmax(scores: Tensor, allowed: Tensor, dtype: torch.dtype) -> Tensor:
     """Softmax over the last dim in fp32 (fp64 stays fp64) with disallowed entries at -inf, cast to ``dtype``."""
     softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
@@ -64,11 +59,9 @@ def mla_prefill(
     block_tables: Tensor,
     cu_seqlens: Tensor,
     context_lens: Tensor,
-    kv_b_weight: Tensor,
+    w_uk: Tensor,
+    w_uv: Tensor,
     *,
-    kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    v_head_dim: int,
     scale: float,
 ) -> Tensor:
     """Expanded (non-absorbed) causal MLA for a packed varlen batch of query chunks over a paged latent cache.
@@ -84,14 +77,15 @@ def mla_prefill(
         block_tables: ``[N, max_blocks]`` int block ids per sequence; entries past the context may be any valid id.
         cu_seqlens: ``[N+1]`` int cumulative query lengths.
         context_lens: ``[N]`` int tokens of context per sequence, queries included (``>= q_len_i``).
-        kv_b_weight: ``[Hm*(Dn+Dv), R]``; per head ``Dn`` rows of W_uk then ``Dv`` rows of W_uv.
-        kv_lora_rank: ``R``. qk_nope_head_dim: ``Dn``. v_head_dim: ``Dv``.
+        w_uk: ``[Hm, Dn, R]`` key up-projection of the latent per head (the layer's ``kv_b`` rows, any strides).
+        w_uv: ``[Hm, Dv, R]`` value up-projection; the latents are cast to its dtype for both projections.
         scale: softmax scale, ``(Dn+Dr) ** -0.5`` for the model.
 
     Returns:
         ``[T, Hm, Dv]`` in ``q.dtype``. The query at context position ``p`` attends to positions ``<= p``.
     """
     num_tokens, num_heads, _ = q.shape
+    rank, v_head_dim = w_uk.shape[-1], w_uv.shape[1]
     device = q.device
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     ctx = context_lens.to(device=device, dtype=torch.long)
@@ -107,10 +101,10 @@ def mla_prefill(
     q_pad = q.new_zeros(num_seqs, max_q, *q.shape[1:])
     q_pad[seq_of_token, row_in_seq] = q
 
-    latents = _gather_context(kv_cache, block_tables, ctx, max_ctx).to(kv_b_weight.dtype)  # [N, P, R+Dr]
-    c, kr = latents[..., :kv_lora_rank], latents[..., kv_lora_rank:]
-    kv = F.linear(c, kv_b_weight).view(num_seqs, max_ctx, num_heads, qk_nope_head_dim + v_head_dim)
-    k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
+    latents = _gather_context(kv_cache, block_tables, ctx, max_ctx).to(w_uv.dtype)  # [N, P, R+Dr]
+    c, kr = latents[..., :rank], latents[..., rank:]
+    k_nope = torch.einsum("npr,hdr->nphd", c, w_uk)  # [N, P, Hm, Dn]
+    v = torch.einsum("npr,hvr->nphv", c, w_uv)  # [N, P, Hm, Dv]
     k = torch.cat([k_nope, kr[:, :, None, :].expand(-1, -1, num_heads, -1)], dim=-1).to(q.dtype)  # [N, P, Hm, Dq]
 
     scores = torch.einsum("nqhd,nphd->nhqp", q_pad, k) * scale  # [N, Hm, Qmax, P]
@@ -126,42 +120,34 @@ def mla_decode(
     kv_cache: Tensor,
     block_tables: Tensor,
     context_lens: Tensor,
-    kv_b_weight: Tensor,
     *,
     kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    v_head_dim: int,
     scale: float,
 ) -> Tensor:
-    """Absorbed MLA (spec §4.2) for one query per sequence at its last context position: MQA over the latent.
+    """Latent attention (the absorbed MLA decode of spec §4.2 without its projections): MQA of every head over the
+    shared cache rows, one query per sequence at its last context position.
 
-    ``q_hat[h] = [W_uk[h]^T q_n[h] ; q_r[h]]`` against the shared cache row ``[c ; kr]``; the value is ``c``;
-    ``o[h] = W_uv[h] (sum_t p[h, t] c_t)``.
+    ``o[h] = sum_t softmax_t(scale * q[h] . [c_t ; kr_t]) c_t``. The layer builds the query
+    ``q[h] = [W_uk[h]^T q_n[h] ; q_r[h]]`` and projects the output with ``W_uv[h]``.
 
     Args:
-        q: ``[N, Hm, Dn+Dr]``, row i is the query of the last of ``context_lens[i]`` positions of sequence i.
+        q: ``[N, Hm, R+Dr]`` latent queries; row i is the query of the last of ``context_lens[i]`` positions of
+            sequence i.
         kv_cache: ``[num_blocks, block_size, R+Dr]``; read only. The query token's own row must already be written.
         block_tables: ``[N, max_blocks]`` int block ids per sequence.
         context_lens: ``[N]`` int, ``>= 1``.
-        kv_b_weight: ``[Hm*(Dn+Dv), R]``, as in :func:`mla_prefill`.
-        kv_lora_rank: ``R``. qk_nope_head_dim: ``Dn``. v_head_dim: ``Dv``.
-        scale: the same scale as the expanded form (``192 ** -0.5`` for the model, not ``576 ** -0.5``).
+        kv_lora_rank: ``R``: the first ``R`` columns of a cache row are the value.
+        scale: the scale of the expanded form (``192 ** -0.5`` for the model, not ``576 ** -0.5``).
 
     Returns:
-        ``[N, Hm, Dv]`` in ``q.dtype``; equal to :func:`mla_prefill` with one query per sequence up to rounding.
+        ``[N, Hm, R]`` latent output in ``q.dtype`` (scores and values in ``q.dtype``, softmax in fp32 or fp64).
     """
     if q.shape[0] == 0:
-        return q.new_zeros(0, q.shape[1], v_head_dim)
+        return q.new_zeros(0, q.shape[1], kv_lora_rank)
     ctx = context_lens.to(device=q.device, dtype=torch.long)
     max_ctx = int(ctx.max())  # host sync: acceptable in the reference
-    w_uk, w_uv = _split_kv_b(kv_b_weight.to(q.dtype), qk_nope_head_dim, v_head_dim)  # [Hm, Dn, R], [Hm, Dv, R]
-
-    q_nope, q_rope = q[..., :qk_nope_head_dim], q[..., qk_nope_head_dim:]
-    q_hat = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope], dim=-1)  # [N, Hm, R+Dr]
     latents = _gather_context(kv_cache, block_tables, ctx, max_ctx).to(q.dtype)  # [N, P, R+Dr]
-
-    scores = torch.einsum("nhk,npk->nhp", q_hat, latents) * scale  # [N, Hm, P]
+    scores = torch.einsum("nhk,npk->nhp", q, latents) * scale  # [N, Hm, P]
     allowed = torch.arange(max_ctx, device=q.device)[None, :] < ctx[:, None]  # [N, P]
     probs = _masked_softmax(scores, allowed[:, None], q.dtype)
-    o_latent = torch.einsum("nhp,npr->nhr", probs, latents[..., :kv_lora_rank])  # [N, Hm, R]
-    return torch.einsum("nhr,hvr->nhv", o_latent, w_uv)
+    return torch.einsum("nhp,npr->nhr", probs, latents[..., :kv_lora_rank])  # [N, Hm, R]
