@@ -62,11 +62,10 @@ class KDAttention(nn.Module):
         cfg, nd = self.cfg, batch.num_decodes
         t = x.shape[0]
         *qkv, f_a, b, gate = self.in_proj(x)
-        mixed_in = mixed = torch.cat(qkv, dim=-1)  # [T, 3P] pre-conv
+        mixed = torch.cat(qkv, dim=-1)  # [T, 3P] pre-conv
         conv_w = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d]).squeeze(1)  # [3P, K]
-        saving = batch.checkpoint_slots is not None and nd < t
-        # Conv windows at checkpoint positions need the windows the prefill sequences start from.
-        start_windows = cache.conv.index_select(0, batch.state_indices[nd:]) if saving else None
+        # The prefill ops also write the checkpoints the batch asks for (conv windows, then recurrent states).
+        ckpt_pos, ckpt_slots = batch.checkpoint_positions, batch.checkpoint_slots
         parts = []
         decode_slots = batch.decode_slot_range if batch.decode_slot_range is not None else batch.state_indices[:nd]
         if nd:
@@ -74,7 +73,8 @@ class KDAttention(nn.Module):
         if nd < t:
             parts.append(
                 short_conv_prefill(
-                    mixed[nd:], conv_w, cache.conv, batch.state_indices[nd:], batch.prefill_cu_seqlens()
+                    mixed[nd:], conv_w, cache.conv, batch.state_indices[nd:], batch.prefill_cu_seqlens_host(),
+                    checkpoint_positions=ckpt_pos, checkpoint_slots=ckpt_slots,
                 )
             )
         mixed = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -89,31 +89,15 @@ class KDAttention(nn.Module):
         if nd:
             outs.append(kda_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.state, decode_slots))
         if nd < t:
-            o, ckpts = kda_prefill(
-                q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cache.state, batch.state_indices[nd:],
-                batch.prefill_cu_seqlens_host(), checkpoint_positions=batch.checkpoint_positions,
-                chunk_size=PREFILL_CHUNK,
+            outs.append(
+                kda_prefill(
+                    q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cache.state, batch.state_indices[nd:],
+                    batch.prefill_cu_seqlens_host(), checkpoint_positions=ckpt_pos, checkpoint_slots=ckpt_slots,
+                    chunk_size=PREFILL_CHUNK,
+                )
             )
-            outs.append(o)
-            if saving:
-                self._save_checkpoints(batch, cache, mixed_in[nd:], start_windows, ckpts)
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, H, Dh]
         if not cfg.use_full_rank_gate:
             gate = self.g_b_proj(gate)
         o = gated_rms_norm(o, gate.view(t, cfg.num_heads, cfg.head_dim), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(t, cfg.proj_dim))
-
-    def _save_checkpoints(self, batch: ForwardBatch, cache: KDALayerCache, pre_conv: torch.Tensor,
-                          start_windows: torch.Tensor, states: list[torch.Tensor]) -> None:
-        """Write the recurrent state and conv window after each checkpoint position into its slot."""
-        cu = batch.prefill_cu_seqlens_host()
-        width = self.cfg.conv_kernel_size - 1
-        for i, (positions, slots) in enumerate(zip(batch.checkpoint_positions, batch.checkpoint_slots, strict=True)):
-            if not positions:
-                continue
-            # Inputs of sequence i: its start window (oldest first) then this step's pre-conv rows.
-            ext = torch.cat([start_windows[i].t().to(pre_conv.dtype), pre_conv[cu[i] : cu[i + 1]]])  # [K-1+L, C]
-            windows = torch.stack([ext[p : p + width].t() for p in positions])  # [n, C, K-1]
-            idx = torch.tensor(slots, dtype=torch.long, device=cache.conv.device)
-            cache.conv.index_copy_(0, idx, windows.to(cache.conv.dtype))
-            cache.state.index_copy_(0, idx, states[i].to(cache.state.dtype))

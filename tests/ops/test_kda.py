@@ -76,12 +76,16 @@ def decode_all(inputs: tuple[torch.Tensor, ...], S0: torch.Tensor) -> tuple[torc
 
 
 def prefill_one(
-    inputs: tuple[torch.Tensor, ...], S0: torch.Tensor, **kw
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """kda_prefill of one sequence from S0: output, final state, checkpoints."""
-    pool = S0.unsqueeze(0).clone()
-    o, ckpts = kda_prefill(*inputs, pool, torch.tensor([0]), torch.tensor([0, inputs[0].shape[0]]), **kw)
-    return o, pool[0], ckpts[0]
+    inputs: tuple[torch.Tensor, ...], S0: torch.Tensor, positions: tuple[int, ...] = (), **kw
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kda_prefill of one sequence from S0 in slot 0, writing its checkpoints at `positions` to slots 1, 2, ...:
+    output, final state, checkpoint states."""
+    pool = torch.full((1 + len(positions), *S0.shape), SENTINEL, dtype=S0.dtype)
+    pool[0] = S0
+    ckpt = {"checkpoint_positions": [list(positions)], "checkpoint_slots": [list(range(1, 1 + len(positions)))]}
+    o = kda_prefill(*inputs, pool, torch.tensor([0]), torch.tensor([0, inputs[0].shape[0]]),
+                    **(ckpt if positions else {}), **kw)
+    return o, pool[0], pool[1:]
 
 
 @pytest.mark.parametrize("init", ["zero_state", "random_state"])
@@ -130,8 +134,7 @@ def test_kda_prefill_varlen_state_pool(gen: torch.Generator, chunk_size: int, gr
     pool[slots] = S0
     packed = [torch.cat(parts) for parts in zip(*seqs, strict=True)]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    o, ckpts = kda_prefill(*packed, pool, torch.tensor(slots), cu, chunk_size=chunk_size)
-    assert [c.shape for c in ckpts] == [torch.Size([0, H, K, V])] * len(lens)
+    o = kda_prefill(*packed, pool, torch.tensor(slots), cu, chunk_size=chunk_size)
     assert_slots_untouched(pool, slots)
     for i, inputs in enumerate(seqs):
         ref_o, ref_S, _ = prefill_one(inputs, S0[i], chunk_size=chunk_size)
@@ -142,31 +145,34 @@ def test_kda_prefill_varlen_state_pool(gen: torch.Generator, chunk_size: int, gr
 
 @pytest.mark.parametrize("chunk_size", [64, 16], ids=lambda c: f"C{c}")
 def test_kda_prefill_checkpoints(gen: torch.Generator, chunk_size: int, groups: str) -> None:
-    """Checkpoint states at arbitrary positions equal the recurrent state after that many tokens, in a varlen batch."""
+    """The state written at position p of a packed varlen batch, into any slot, equals the recurrent state after the
+    first p tokens of that sequence alone; the final states are unchanged and no other slot is touched."""
     H, K, V = 3, 24, 40
-    lens = [130, 70]
+    lens, slots = [130, 70], [3, 1]
     positions = [[1, 16, 17, 64, 65, 100, 130], [3, 64, 70]]
+    ckpt_slots = [[13, 0, 5, 8, 2, 11, 6], [9, 4, 12]]
     seqs = [make_inputs(gen, n, H, K, V, kind) for n, kind in zip(lens, ["kimi", "k3"], strict=True)]
     S0 = torch.randn(len(lens), H, K, V, generator=gen)
-    pool = torch.full((4, H, K, V), SENTINEL)
-    pool[[3, 1]] = S0
+    pool = torch.full((15, H, K, V), SENTINEL)
+    pool[slots] = S0
     packed = [torch.cat(parts) for parts in zip(*seqs, strict=True)]
-    _, ckpts = kda_prefill(*packed, pool, torch.tensor([3, 1]), torch.tensor([0, 130, 200]), positions, chunk_size)
-    assert_slots_untouched(pool, [3, 1])
+    kda_prefill(*packed, pool, torch.tensor(slots), [0, 130, 200], positions, ckpt_slots, chunk_size)
+    assert_slots_untouched(pool, slots + [s for ss in ckpt_slots for s in ss])
     for i, inputs in enumerate(seqs):
         _, states = decode_all(inputs, S0[i])
-        assert ckpts[i].shape == (len(positions[i]), H, K, V) and ckpts[i].dtype == torch.float32
-        for n, p in enumerate(positions[i]):
-            assert_close(f"seq {i} checkpoint at {p}", states[p - 1], ckpts[i][n], rtol=1e-5)
-        assert_close(f"seq {i} final state", states[-1], pool[[3, 1][i]], rtol=1e-5)
+        for p, slot in zip(positions[i], ckpt_slots[i], strict=True):
+            assert_close(f"seq {i} checkpoint at {p}", states[p - 1], pool[slot], rtol=1e-5)
+        assert_close(f"seq {i} final state", states[-1], pool[slots[i]], rtol=1e-5)
 
 
-def test_kda_prefill_checkpoint_positions_validated(gen: torch.Generator) -> None:
-    """Out-of-range or unsorted checkpoint positions are refused with ValueError."""
+def test_kda_prefill_checkpoints_validated(gen: torch.Generator) -> None:
+    """Out-of-range or unsorted positions, positions without slots and miscounted slots are refused (ValueError)."""
     inputs = make_inputs(gen, 10, 2, 8, 8)
-    for bad in ([[0]], [[11]], [[5, 3]]):
+    bad = [([[0]], [[1]]), ([[11]], [[1]]), ([[5, 3]], [[1, 2]]), ([[5]], None), ([[5, 6]], [[1]]), ([], [])]
+    for positions, slots in bad:
+        pool = torch.zeros(3, 2, 8, 8)
         with pytest.raises(ValueError, match="checkpoint"):
-            prefill_one(inputs, torch.zeros(2, 8, 8), checkpoint_positions=bad)
+            kda_prefill(*inputs, pool, torch.tensor([0]), [0, 10], positions, slots)
 
 
 def test_kda_gate_kimi_matches_transformers(gen: torch.Generator) -> None:
@@ -207,7 +213,7 @@ def test_kda_prefill_then_decode(gen: torch.Generator, split: int) -> None:
     pool = torch.full((3, H, K, V), SENTINEL)
     pool[2] = S0
     slot = torch.tensor([2])
-    outs = [kda_prefill(*(x[:split] for x in inputs), pool, slot, torch.tensor([0, split]))[0]]
+    outs = [kda_prefill(*(x[:split] for x in inputs), pool, slot, torch.tensor([0, split]))]
     outs += [kda_decode(*(x[t : t + 1] for x in inputs), pool, slot) for t in range(split, T)]
     assert_slots_untouched(pool, [2])
     assert_close("output", ref_o, torch.cat(outs), rtol=1e-5)
@@ -240,7 +246,7 @@ def test_kda_prefill_large_negative_gate(gen: torch.Generator, g_step: float) ->
     g = torch.full((T, H, K), g_step)
     g[::7, :, :5] = -1e-3  # some slow channels keep a long memory next to the fast ones
     S0 = torch.randn(H, K, V, generator=gen)
-    o, S, ck = prefill_one((q, k, v, g, beta), S0, checkpoint_positions=[[1, 37, 64, 150]])
+    o, S, ck = prefill_one((q, k, v, g, beta), S0, positions=(1, 37, 64, 150))
     ref_o, states = decode_all((q, k, v, g, beta), S0)
     assert_close("output", ref_o, o, rtol=1e-5)
     assert_close("state", states[-1], S, rtol=1e-5)

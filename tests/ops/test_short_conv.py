@@ -172,3 +172,40 @@ def test_short_conv_decode_slot_range_equals_indices(pool_dtype: torch.dtype) ->
     out_slice = short_conv_decode(x, weight, pool, slice(4, 7))
     assert torch.equal(out_index, out_slice) and torch.equal(by_index, pool)
     assert_slots_untouched(pool, used=[4, 5, 6])
+
+
+@pytest.mark.parametrize("cu_kind", ["host", "tensor"])
+def test_short_conv_prefill_checkpoints(cu_kind: str) -> None:
+    """The window written at position p of a packed batch, into any slot, equals the window after running the first
+    p tokens of that sequence alone (p below W-1 keeps part of the start window); nothing else is touched."""
+    lengths, slots = [10, 2, 0, 7], [6, 0, 2, 8]
+    positions, ckpt_slots = [[1, 2, 5, 10], [1], [], [7, 3]], [[3, 12, 5, 1], [9], [], [10, 4]]
+    g = torch.Generator().manual_seed(60)
+    x, weight, windows = random_inputs(g, lengths)
+    pool = torch.full((13, CHANNELS, WIDTH - 1), SENTINEL)
+    pool[slots] = windows
+    cu = cu_of(lengths) if cu_kind == "tensor" else cu_of(lengths).tolist()
+    out = short_conv_prefill(x, weight, pool, torch.tensor(slots), cu, checkpoint_positions=positions,
+                             checkpoint_slots=ckpt_slots)
+    plain = make_pool()
+    plain[slots] = windows
+    assert torch.equal(out, short_conv_prefill(x, weight, plain, torch.tensor(slots), cu))
+    assert torch.equal(pool[slots], plain[slots])
+    offsets = cu_of(lengths).tolist()
+    for i, (ps, ss) in enumerate(zip(positions, ckpt_slots, strict=True)):
+        for p, slot in zip(ps, ss, strict=True):
+            alone = make_pool()
+            alone[0] = windows[i]
+            short_conv_prefill(x[offsets[i] : offsets[i] + p], weight, alone, torch.tensor([0]), cu_of([p]))
+            assert torch.equal(pool[slot], alone[0]), f"sequence {i}, position {p}"
+    assert_slots_untouched(pool, used=slots + [s for ss in ckpt_slots for s in ss])
+
+
+def test_short_conv_prefill_checkpoints_validated() -> None:
+    """Positions outside 1..len, positions without slots and miscounted slots are refused (ValueError)."""
+    g = torch.Generator().manual_seed(61)
+    x, weight, _ = random_inputs(g, [4])
+    for positions, slots in (([[0]], [[1]]), ([[5]], [[1]]), ([[2]], None), ([[2, 3]], [[1]]), ([], [])):
+        with pytest.raises(ValueError, match="checkpoint"):
+            short_conv_prefill(x, weight, make_pool(), torch.tensor([0]), [0, 4], checkpoint_positions=positions,
+                               checkpoint_slots=slots)

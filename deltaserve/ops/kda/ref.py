@@ -189,29 +189,51 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, G: Tensor, beta: Tensor) -> _Intra:
 
 class _CheckpointPlan(NamedTuple):
     """Where the requested checkpoints fall: chunk id and in-chunk length ``j`` (1..C), flattened in sequence order,
-    on the host (to select them per unit without a device read) and on the device (to gather with)."""
+    on the host (to select them per unit without a device read) and on the device (to gather with), and the slots
+    they are written to."""
 
     cid: list[int]
     cid_t: Tensor
     j_t: Tensor
-    counts: list[int]  # checkpoints per sequence
+    slots_t: Tensor
 
 
-def _plan_checkpoints(positions: Sequence[Sequence[int]], cu: list[int], lay: _Layout, C: int,
-                      device: torch.device) -> _CheckpointPlan:
-    if len(positions) != len(lay.rank):
-        raise ValueError("checkpoint_positions needs one list per sequence")
+def _plan_checkpoints(positions: Sequence[Sequence[int]] | None, slots: Sequence[Sequence[int]] | None,
+                      cu: list[int], lay: _Layout, C: int, device: torch.device) -> _CheckpointPlan | None:
+    """The plan of the requested checkpoints, None when there are none."""
+    if positions is None and slots is None:
+        return None
+    _check_checkpoints(positions, slots, cu)
     cid, j = [], []
-    for i, ps in enumerate(positions):
-        length, previous = cu[i + 1] - cu[i], 1
+    for i, ps in enumerate(positions or ()):
+        for p in ps:
+            t = (p - 1) // C
+            cid.append(lay.offs[t] + lay.rank[i])
+            j.append(p - t * C)
+    if not cid:
+        return None
+    flat_slots = [s for ss in slots or () for s in ss]
+    return _CheckpointPlan(cid, torch.tensor(cid, dtype=torch.int64, device=device),
+                           torch.tensor(j, dtype=torch.int64, device=device),
+                           torch.tensor(flat_slots, dtype=torch.int64, device=device))
+
+
+def _check_checkpoints(positions: Sequence[Sequence[int]] | None, slots: Sequence[Sequence[int]] | None,
+                      cu: Sequence[int]) -> None:
+    """Refuse (ValueError) checkpoint positions and slots that do not match the batch: one list of each per sequence,
+    equal lengths, positions sorted within ``1..len`` of their sequence."""
+    if positions is None or slots is None:
+        raise ValueError("checkpoint_positions and checkpoint_slots go together")
+    if len(positions) != len(cu) - 1 or len(slots) != len(cu) - 1:
+        raise ValueError("checkpoint_positions and checkpoint_slots need one list per sequence")
+    for i, (ps, ss) in enumerate(zip(positions, slots, strict=True)):
+        if len(ps) != len(ss):
+            raise ValueError(f"sequence {i}: {len(ps)} checkpoint positions but {len(ss)} checkpoint slots")
+        previous, length = 1, cu[i + 1] - cu[i]
         for p in ps:
             if not previous <= p <= length:
                 raise ValueError("checkpoint positions must be sorted and within 1..len of their sequence")
-            previous, t = p, (p - 1) // C
-            cid.append(lay.offs[t] + lay.rank[i])
-            j.append(p - t * C)
-    return _CheckpointPlan(cid, torch.tensor(cid, dtype=torch.int64, device=device),
-                           torch.tensor(j, dtype=torch.int64, device=device), [len(ps) for ps in positions])
+            previous = p
 
 
 def _units(offs: list[int], g0: int, g1: int) -> Iterator[tuple[int, int, int]]:
@@ -257,8 +279,9 @@ def kda_prefill(
     state_indices: Tensor,
     cu_seqlens: Tensor | Sequence[int],
     checkpoint_positions: Sequence[Sequence[int]] | None = None,
+    checkpoint_slots: Sequence[Sequence[int]] | None = None,
     chunk_size: int = 64,
-) -> tuple[Tensor, list[Tensor]]:
+) -> Tensor:
     """Chunked KDA (spec §3.7) over a packed varlen batch, all sequences advancing together chunk by chunk.
 
     Args:
@@ -272,21 +295,24 @@ def kda_prefill(
         state_indices: ``[N]`` int64 slots.
         cu_seqlens: ``[N + 1]`` offsets, a host sequence or an int64 tensor; sequence ``i`` is rows
             ``cu_seqlens[i]:cu_seqlens[i + 1]`` (length 0 allowed).
-        checkpoint_positions: per sequence a sorted list of positions ``1 <= p <= len_i``; the state after the first
-            ``p`` tokens of that sequence in this call is returned (exact, at any position, not only chunk ends).
+        checkpoint_positions: per sequence a sorted list of positions ``1 <= p <= len_i`` (prefix-cache checkpoints,
+            or the states after each draft token of a speculative verification); the state after the first ``p``
+            tokens of that sequence in this call is written **in place** to ``state_pool[checkpoint_slots[i][n]]``
+            (exact, at any position, not only chunk ends). None for none.
+        checkpoint_slots: the slots those states go to, aligned with ``checkpoint_positions``; distinct from each
+            other and from ``state_indices``.
         chunk_size: chunk length ``C``.
 
     Returns:
-        ``(o, checkpoints)``: ``o`` ``[T, H, V]`` in ``q``'s dtype; ``checkpoints`` a list of ``N`` tensors
-        ``[len(positions_i), H, K, V]`` in the pool's dtype (``[0, H, K, V]`` when none requested).
-        Math in fp32 (fp64 if ``q`` or the pool is fp64), the cumulative log-decays in fp64.
+        ``[T, H, V]`` output in ``q``'s dtype. Math in fp32 (fp64 if ``q`` or the pool is fp64), the cumulative
+        log-decays in fp64.
     """
     cdt = _compute_dtype(q, state_pool)
     C, (H, K), V = chunk_size, k.shape[1:], v.shape[-1]
     # Host offsets: a device tensor is read back once here (a sync on a GPU); callers that have them pass a list.
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
     lay = _layout(cu, C, q.device)
-    N, NC = len(lay.rank), lay.offs[-1]
+    NC = lay.offs[-1]
     qn, kn = _qk_norm(q, k, cdt)
     qc, kc, vc, gc, bc = (_to_chunks(x.to(cdt), lay, C) for x in (qn, kn, v, g, beta))
     # fp64 cumulative log-decay: exponents are differences G_r - G_i of values that reach -C*|g| (-320 at the K3
@@ -295,8 +321,8 @@ def kda_prefill(
     slots = state_indices.to(device=q.device, dtype=torch.int64)[lay.order]
     S = state_pool.index_select(0, slots).to(cdt)  # [N, H, K, V] in rank order
     O = qc.new_empty(NC, H, C, V)  # every chunk is written by exactly one unit
-    plan = _plan_checkpoints(checkpoint_positions, cu, lay, C, q.device) if checkpoint_positions else None
-    cps = qc.new_zeros(sum(plan.counts) if plan else 0, H, K, V)
+    plan = _plan_checkpoints(checkpoint_positions, checkpoint_slots, cu, lay, C, q.device)
+    cps = qc.new_zeros(len(plan.cid) if plan is not None else 0, H, K, V)  # states at the checkpoints
     group = max(1, _GROUP_ELEMS // (2 * H * C * max(C, K)))  # chunks per intra group
     # The intra-chunk part is state-independent: computed for a whole group of chunks at once; the state recurrence
     # then walks the group's chunks step by step (all live sequences of a step together).
@@ -312,7 +338,7 @@ def kda_prefill(
                 _checkpoints_in(cps, plan, lo, hi, G, kc, Vp, S_in)
             S[s] = it.decay[r].unsqueeze(-1) * S_in + it.Kd[r].transpose(-1, -2) @ Vp
     state_pool.index_copy_(0, slots, S.to(state_pool.dtype))
-    cps = cps.to(state_pool.dtype)
-    ckpts = list(cps.split(plan.counts)) if plan else [cps.new_zeros(0, H, K, V) for _ in range(N)]
+    if plan is not None:
+        state_pool.index_copy_(0, plan.slots_t, cps.to(state_pool.dtype))
     out = O.transpose(1, 2).reshape(NC * C, H, V).index_select(0, lay.cid * C + lay.pos)  # back to packed tokens
-    return out.to(q.dtype), ckpts
+    return out.to(q.dtype)

@@ -5,6 +5,8 @@ Pure PyTorch; the specification and test oracle for any fast backend.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -18,13 +20,38 @@ def _activate(out: Tensor, activation: str | None) -> Tensor:
     raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
 
 
+def _checkpoints(positions: Sequence[Sequence[int]] | None, slots: Sequence[Sequence[int]] | None,
+                 cu: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """The requested checkpoints flattened in sequence order: (sequence, position, slot) lists, validated."""
+    if positions is None and slots is None:
+        return [], [], []
+    if positions is None or slots is None:
+        raise ValueError("checkpoint_positions and checkpoint_slots go together")
+    if len(positions) != len(cu) - 1 or len(slots) != len(cu) - 1:
+        raise ValueError("checkpoint_positions and checkpoint_slots need one list per sequence")
+    seqs: list[int] = []
+    flat_pos: list[int] = []
+    flat_slots: list[int] = []
+    for i, (ps, ss) in enumerate(zip(positions, slots, strict=True)):
+        if len(ps) != len(ss):
+            raise ValueError(f"sequence {i}: {len(ps)} checkpoint positions but {len(ss)} checkpoint slots")
+        if any(not 1 <= p <= cu[i + 1] - cu[i] for p in ps):
+            raise ValueError("checkpoint positions must be within 1..len of their sequence")
+        seqs += [i] * len(ps)
+        flat_pos += ps
+        flat_slots += ss
+    return seqs, flat_pos, flat_slots
+
+
 def short_conv_prefill(
     x: Tensor,
     weight: Tensor,
     conv_state_pool: Tensor,
     state_indices: Tensor,
-    cu_seqlens: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
     activation: str | None = "silu",
+    checkpoint_positions: Sequence[Sequence[int]] | None = None,
+    checkpoint_slots: Sequence[Sequence[int]] | None = None,
 ) -> Tensor:
     """Depthwise causal conv over a packed varlen batch, reading and updating a conv-state pool.
 
@@ -39,9 +66,16 @@ def short_conv_prefill(
             sequence i receives the window after its last token (for a sequence shorter than ``W-1`` the older
             entries shift left, exactly as a token-by-token update). Stored in the pool's dtype.
         state_indices: ``[N]`` int slot per sequence; must be distinct. Other slots are not touched.
-        cu_seqlens: ``[N+1]`` int cumulative sequence lengths, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``.
-            Zero-length sequences are allowed (their window is unchanged).
+        cu_seqlens: ``[N+1]`` int cumulative sequence lengths, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``;
+            a host sequence or an int tensor (read back to the host, a sync on a GPU, only to check checkpoint
+            positions). Zero-length sequences are allowed (their window is unchanged).
         activation: ``"silu"`` (default, the only one the model uses), ``"swish"`` (alias) or ``None``.
+        checkpoint_positions: per sequence, positions ``1 <= p <= len_i`` (any order): the window after the first
+            ``p`` tokens of that sequence is written **in place** to ``conv_state_pool[checkpoint_slots[i][n]]``
+            (prefix-cache checkpoints, or the windows after each draft token of a speculative verification).
+            None for none.
+        checkpoint_slots: the slots those windows go to, aligned with ``checkpoint_positions``; distinct from each
+            other and from ``state_indices``.
 
     Returns:
         ``[T, C]`` in ``x.dtype``. The conv is computed in ``weight.dtype`` (inputs are cast to it, as transformers
@@ -52,7 +86,12 @@ def short_conv_prefill(
     state_len = width - 1
     num_seqs = state_indices.shape[0]
     device = x.device
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    if isinstance(cu_seqlens, Tensor):
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        cu_host = cu.tolist() if checkpoint_positions is not None or checkpoint_slots is not None else []
+    else:
+        cu_host = list(cu_seqlens)
+        cu = torch.tensor(cu_host, dtype=torch.long, device=device)
     slots = state_indices.to(device=device, dtype=torch.long)
     lengths = cu[1:] - cu[:-1]  # [N]
 
@@ -85,6 +124,13 @@ def short_conv_prefill(
     win_pos = lengths[:, None] + torch.arange(state_len, device=device)  # [N, W-1]
     new_windows = buf[ext_to_row(torch.arange(num_seqs, device=device)[:, None], win_pos)]  # [N, W-1, C]
     conv_state_pool.index_copy_(0, slots, new_windows.transpose(1, 2).contiguous())
+    # Checkpoint windows: after p tokens of sequence i, its extended positions p .. p + W-2.
+    seqs, positions, ckpt_slots = _checkpoints(checkpoint_positions, checkpoint_slots, cu_host)
+    if positions:
+        seq_t, pos_t = (torch.tensor(v, dtype=torch.long, device=device) for v in (seqs, positions))
+        rows = ext_to_row(seq_t[:, None], pos_t[:, None] + torch.arange(state_len, device=device))  # [n, W-1]
+        ckpt_idx = torch.tensor(ckpt_slots, dtype=torch.long, device=device)
+        conv_state_pool.index_copy_(0, ckpt_idx, buf[rows].transpose(1, 2).contiguous())
     return out.to(x.dtype)
 
 
