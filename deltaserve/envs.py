@@ -20,3 +20,9 @@ def mxfp8_activations() -> bool:
     """`DELTASERVE_MXFP8_ACTIVATIONS=1`: round the inputs of MXFP4 expert GEMMs through MXFP8 (E4M3 with an E8M0
     scale per 32), emulating an MXFP4 x MXFP8 kernel (model-spec §10.4). Off by default (bf16/fp32 activations)."""
     return os.environ.get("DELTASERVE_MXFP8_ACTIVATIONS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def ops_backend() -> str:
+    """`DELTASERVE_OPS_BACKEND`: forces op backends (parsed by `deltaserve.ops.dispatch`): `ref` for every op, or
+    per op `kda_prefill=ref,mla_decode=flash`. Empty by default (each op picks its first capable backend)."""
+    return os.environ.get("DELTASERVE_OPS_BACKEND", "").strip()

@@ -1,4 +1,5 @@
-"""Gated activations for the MLPs and experts: SiLU-GLU (model-spec §5) and K3's SiTU (§6)."""
+"""Gated activations for the MLPs and experts: SiLU-GLU (model-spec §5) and K3's SiTU (§6). The references `ref_*`
+and the dispatched ops layers call."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from deltaserve.ops import dispatch
 
-def silu_and_mul(gate_up: Tensor) -> Tensor:
+
+def ref_silu_and_mul(gate_up: Tensor) -> Tensor:
     """SiLU-GLU on a fused gate/up projection.
 
     Args:
@@ -41,7 +44,7 @@ def situ(gate: Tensor, up: Tensor, beta: float, linear_beta: float | None) -> Te
     return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * u).to(gate.dtype)
 
 
-def situ_and_mul(gate_up: Tensor, beta: float, linear_beta: float | None, interleaved: bool = False) -> Tensor:
+def ref_situ_and_mul(gate_up: Tensor, beta: float, linear_beta: float | None, interleaved: bool = False) -> Tensor:
     """SiTU-GLU on a fused gate/up projection ``[..., 2I] -> [..., I]``.
 
     Args:
@@ -55,3 +58,7 @@ def situ_and_mul(gate_up: Tensor, beta: float, linear_beta: float | None, interl
         return situ(gate_up[..., 0::2], gate_up[..., 1::2], beta, linear_beta)
     gate, up = gate_up.chunk(2, dim=-1)
     return situ(gate, up, beta, linear_beta)
+
+
+silu_and_mul = dispatch.op("silu_and_mul", ref_silu_and_mul)
+situ_and_mul = dispatch.op("situ_and_mul", ref_situ_and_mul)

@@ -1,12 +1,14 @@
-"""RMSNorm and gated RMSNorm (model-spec §2.2, §2.3): the reference implementations layers call."""
+"""RMSNorm and gated RMSNorm (model-spec §2.2, §2.3): the references `ref_*` and the dispatched ops layers call."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from deltaserve.ops import dispatch
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+
+def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim, as transformers' ``KimiLinearRMSNorm``.
 
     The normalisation runs in fp32 and is cast back to ``x.dtype`` *before* the weight is applied, so the output dtype
@@ -25,7 +27,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(x.dtype)
 
 
-def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+def ref_gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Gated RMSNorm (KDA output norm), as transformers' ``KimiLinearRMSNormGated``.
 
     Everything runs in fp32, the weight included; only the final result is cast to ``x.dtype``.
@@ -43,3 +45,7 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tenso
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     out = weight.to(torch.float32) * normed * torch.sigmoid(gate.to(torch.float32))
     return out.to(x.dtype)
+
+
+rms_norm = dispatch.op("rms_norm", ref_rms_norm)
+gated_rms_norm = dispatch.op("gated_rms_norm", ref_gated_rms_norm)

@@ -12,6 +12,9 @@ It computes only the T * k rows needed (no padded [E, m, d] batch: group-limited
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -22,16 +25,27 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What `grouped_mm` takes (not float64: tests in fp64 run the reference)."""
 
 
-def supports(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
-    """Whether these activations and expert weights can take this path: a dtype `grouped_mm` takes, and rows of
-    a multiple of 16 bytes in both GEMMs' inner dimension (hidden size and expert intermediate size), which its
-    kernels require."""
-    return x.dtype in DTYPES and all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, w13, w2))
+def available() -> bool:
+    """Whether this torch has `grouped_mm`."""
+    return hasattr(F, "grouped_mm")
 
 
-def moe_experts_sorted(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    """Same contract as `ref.moe_experts` (SiLU-GLU, dense weights): x [T, d], w13 [E, 2I, d], w2 [E, d, I],
-    weights/ids [T, k] -> [T, d]."""
+def supports(x: Tensor, w13: Any, w2: Any, topk_weights: Tensor | None = None, topk_ids: Tensor | None = None, *,
+             act: Callable[[Tensor], Tensor] = silu_and_mul, linear: Callable[[Tensor, Any], Tensor] = F.linear,
+             fp32_combine: bool = False) -> bool:
+    """Whether a `moe_experts` call can take this path: dense SiLU-GLU experts (the default `act` and `linear`, no
+    fp32 combine), a dtype `grouped_mm` takes, and rows of a multiple of 16 bytes in both GEMMs' inner dimension
+    (hidden size and expert intermediate size), which its kernels require."""
+    if act is not silu_and_mul or linear is not F.linear or fp32_combine or x.dtype not in DTYPES:
+        return False
+    return all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, w13, w2))
+
+
+def moe_experts_sorted(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, *,
+                       act: Callable[[Tensor], Tensor] = silu_and_mul,
+                       linear: Callable[[Tensor, Any], Tensor] = F.linear, fp32_combine: bool = False) -> Tensor:
+    """Same contract as `ref.moe_experts` for the calls `supports` accepts (SiLU-GLU, dense weights): x [T, d],
+    w13 [E, 2I, d], w2 [E, d, I], weights/ids [T, k] -> [T, d]."""
     top_k = topk_ids.shape[1]
     experts, order = torch.sort(topk_ids.reshape(-1).long(), stable=True)  # pairs by expert, token order inside
     token = order // top_k
