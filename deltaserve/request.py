@@ -50,6 +50,12 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache at first admission (None until admitted)."""
+    skip_prefix_cache: bool = False
+    """Compute the whole prompt: no prefix-cache hit, and no waiting for another request's prefix (set by the engine,
+    e.g. for a request that wants prompt logprobs, which need every prompt position to run through the model)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Proposed next tokens (speculative decoding), set before `schedule()` and cleared by the step that verifies
+    them; the scheduler may verify fewer (budget, length limits)."""
     grammar: object | None = None
     """The `deltaserve.structured.Grammar` of a request with `params.structured`: set by the engine's
     StructuredOutputManager before the request reaches the scheduler, advanced by the engine once per sampled

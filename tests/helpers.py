@@ -19,7 +19,7 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     runner = ModelRunner(model, num_blocks=16, block_size=16, num_slots=2)
     blocks = [3, 0, 5, 1, 7, 2, 9, 4, 11, 6, 13, 8, 15, 10, 12, 14]
     chunk = ScheduledChunk(request_id="r", new_token_ids=ids, num_computed_tokens=0, state_slot=1, block_ids=blocks)
-    x, batch, _ = runner.build_batch([chunk])
+    x, batch, _ = runner.input_batch.build([chunk])
     with torch.inference_mode():
         return model.compute_logits(model(x, batch, runner.caches))
 

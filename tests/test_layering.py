@@ -20,11 +20,12 @@ ALLOWED: dict[str, set[str]] = {
     "runner": BASE | {"ops", "layers", "models", "cache", "scheduler", "structured"},
     "spec_decode": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner"},
     "disagg": BASE | {"cache", "scheduler", "runner"},
-    "engine": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "spec_decode", "disagg", "structured"},
+    "executor": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner"},
+    "engine": BASE | {"cache", "scheduler", "spec_decode", "disagg", "structured", "executor"},
     "entrypoints": BASE | {"engine", "structured"},
     # models: to write a tiny checkpoint when none is given; layers, cache: the roofline reads the loaded model's
     # expert modules and cache specs; scheduler: the step observer's SchedulerOutput type.
-    "bench": BASE | {"engine", "entrypoints", "models", "layers", "cache", "scheduler"},
+    "bench": BASE | {"engine", "entrypoints", "models", "layers", "cache", "scheduler", "executor"},
 }
 # Composition roots may import anything: the package facade and the command line.
 ROOTS = {"deltaserve/__init__.py", "deltaserve/entrypoints/cli.py"}

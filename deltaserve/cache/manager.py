@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from deltaserve.cache.block_hash import chain_hashes, parent_hash
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.prefix_index import Checkpoint, CheckpointIndex, CheckpointKey
-from deltaserve.cache.state_pool import CHECKPOINT, RUNNING, StatePool
+from deltaserve.cache.state_pool import CHECKPOINT, RUNNING, SCRATCH, StatePool
 from deltaserve.request import Request
 
 
@@ -27,6 +27,8 @@ class _Holding:
     """Leading blocks already in the hash table (cached hits count as registered)."""
     pending: list[tuple[int, int]] = field(default_factory=list)
     """(position, checkpoint slot) reserved for checkpoints the runner writes; registered once computed."""
+    scratch: list[int] = field(default_factory=list)
+    """Scratch slots of this step's proposed tokens: scratch[i] gets the state after i + 1 of the step's tokens."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,13 +75,13 @@ class CacheManager:
 
     def __init__(self, *, num_blocks: int, num_slots: int, block_size: int, num_checkpoint_slots: int = 0,
                  bytes_per_slot: int = 0, enable_prefix_caching: bool = False,
-                 checkpoint_interval: int | None = None) -> None:
+                 checkpoint_interval: int | None = None, num_scratch_slots: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.checkpoint_interval = checkpoint_interval
         self.bytes_per_slot = bytes_per_slot
         self.blocks = BlockPool(num_blocks)
-        self.slots = StatePool(num_slots, num_checkpoint_slots if enable_prefix_caching else 0)
+        self.slots = StatePool(num_slots, num_checkpoint_slots if enable_prefix_caching else 0, num_scratch_slots)
         self.checkpoints = CheckpointIndex(self.slots)
         self._held: dict[str, _Holding] = {}
         self._hashes: dict[str, list[int]] = {}
@@ -111,8 +113,8 @@ class CacheManager:
 
     def match(self, request: Request) -> PrefixHit:
         """The longest prefix with cached KV and a checkpoint at its end; at least one token is left to compute.
-        None for a request that wants prompt logprobs: its whole prompt must run through the model."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        None for a request with `skip_prefix_cache`."""
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
             return PrefixHit()
         bs, limit = self.block_size, request.num_tokens - 1
         hashes = self.hashes(request, limit // bs)
@@ -192,6 +194,31 @@ class CacheManager:
             ckpt.pins -= 1
         self._step_blocks, self._step_checkpoints = [], []
 
+    # -- speculative steps ---------------------------------------------------------------------------------------
+
+    def allocate_scratch(self, request_id: str, num_proposed: int) -> list[int] | None:
+        """Scratch slots for a step that verifies `num_proposed` proposed tokens after the request's last sampled
+        token: slot i receives the state after i + 1 of the step's tokens (the state after all of them stays in the
+        running slot). None, with nothing allocated, when the scratch pool cannot hold them all."""
+        held = self._held[request_id]
+        if held.scratch or self.slots.num_free_of(SCRATCH) < num_proposed:
+            return None
+        held.scratch = [self.slots.allocate(SCRATCH) for _ in range(num_proposed)]  # type: ignore[misc]
+        return held.scratch
+
+    def commit_proposed(self, request_id: str, num_accepted: int) -> None:
+        """After a speculative step kept `num_accepted` proposed tokens: the state after them becomes the request's
+        running state (by exchanging slot ids, no copy) and every scratch slot is released. KV rows written for the
+        rejected tokens lie past `num_computed_tokens`; they are overwritten when those positions are computed."""
+        held = self._held[request_id]
+        scratch, held.scratch = held.scratch, []
+        if num_accepted < len(scratch):  # the running slot ran past the accepted tokens: take the scratch state
+            kept = scratch[num_accepted]
+            self.slots.swap_kinds(held.slot, kept)
+            scratch[num_accepted], held.slot = held.slot, kept
+        for slot in scratch:
+            self.slots.free(slot)
+
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
     def plan_checkpoints(self, request: Request, start: int, end: int) -> list[tuple[int, int]]:
@@ -259,6 +286,8 @@ class CacheManager:
             self._hashes.pop(request.request_id, None)
             return
         for _, slot in held.pending:  # reserved checkpoints that were never written
+            self.slots.free(slot)
+        for slot in held.scratch:  # a speculative step that never completed
             self.slots.free(slot)
         kept = False
         length = request.num_computed_tokens

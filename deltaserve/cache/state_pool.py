@@ -1,7 +1,8 @@
-"""The KDA state slot pool: running slots (one per running sequence) and checkpoint slots (prefix cache).
+"""The KDA state slot pool: running slots (one per running sequence), checkpoint slots (prefix cache) and scratch
+slots (the state after each proposed token of a speculative step).
 
-Both kinds share one range of slot ids (one set of device tensors), each kind under its own cap, so a finished
-sequence's running slot can become a checkpoint without copying the state.
+All kinds share one range of slot ids (one set of device tensors), each kind under its own cap, so a finished
+sequence's running slot can become a checkpoint, and a verified scratch state the running one, without a copy.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import heapq
 
 RUNNING = "running"
 CHECKPOINT = "checkpoint"
+SCRATCH = "scratch"
 
 
 class StatePool:
@@ -17,20 +19,21 @@ class StatePool:
     highest first, so that running sequences tend to hold consecutive slots (the KDA decode then updates their
     states in place instead of gathering and scattering them; see `ForwardBatch.decode_slot_range`)."""
 
-    def __init__(self, num_slots: int, num_checkpoint_slots: int = 0) -> None:
+    def __init__(self, num_slots: int, num_checkpoint_slots: int = 0, num_scratch_slots: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.num_checkpoint_slots = num_checkpoint_slots
-        total = num_slots + num_checkpoint_slots
+        self.num_scratch_slots = num_scratch_slots
+        total = num_slots + num_checkpoint_slots + num_scratch_slots
         self._free = set(range(total))
         # Two heaps over the free ids (lowest first, highest first); ids allocated through the other heap are left
         # in place and skipped when popped, and the heaps are rebuilt when such stale entries pile up.
         self._low = list(range(total))
         self._high = [-i for i in reversed(range(total))]
         self._kind: dict[int, str] = {}
-        self._count = {RUNNING: 0, CHECKPOINT: 0}
-        self._cap = {RUNNING: num_slots, CHECKPOINT: num_checkpoint_slots}
+        self._count = {RUNNING: 0, CHECKPOINT: 0, SCRATCH: 0}
+        self._cap = {RUNNING: num_slots, CHECKPOINT: num_checkpoint_slots, SCRATCH: num_scratch_slots}
 
     @property
     def num_free(self) -> int:
@@ -61,6 +64,11 @@ class StatePool:
         self._count[kind] += 1
         self._kind[slot] = kind
         return True
+
+    def swap_kinds(self, a: int, b: int) -> None:
+        """Exchange the kinds of two used slots (a verified scratch state becomes a request's running slot, its old
+        running slot scratch): the counts are unchanged."""
+        self._kind[a], self._kind[b] = self._kind[b], self._kind[a]
 
     def free(self, slot: int) -> None:
         kind = self._kind.pop(slot, None)

@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses: the model (from a checkpoint's config.json) and the engine's arguments."""
 
-from deltaserve.config.engine import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+from deltaserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_memory
 from deltaserve.config.fields import ConfigError
 from deltaserve.config.model import ActivationConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
 from deltaserve.config.quantization import QuantizationConfig
@@ -16,6 +16,7 @@ __all__ = [
     "ModelConfig",
     "MoEConfig",
     "QuantizationConfig",
+    "ParallelConfig",
     "SchedulerConfig",
     "ServerConfig",
     "parse_memory",

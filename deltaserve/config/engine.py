@@ -92,6 +92,26 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    """How the model's workers run (one rank today; tensor, expert and data parallelism extend this)."""
+
+    distributed_executor_backend: str = "uni"
+    """Where the model worker runs: 'uni' (in the engine process, the default) or 'mp' (a worker process per rank,
+    the scheduler output sent to it each step)."""
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not supported "
+                             "(supported: 'uni', 'mp')")
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks (one until tensor parallelism lands)."""
+        return 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """Everything the engine needs; each component receives only its own sub-config."""
 
@@ -113,6 +133,7 @@ class EngineConfig:
     'llguidance' (default) or 'xgrammar' (optional, not installed by default; no Lark grammars)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -25,21 +25,22 @@ from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.messages import (
     AbortRequest,
     AddRequest,
+    EngineCoreOutput,
     EngineInfo,
     EngineInput,
     FatalError,
     OutputBatch,
     Ready,
-    RequestOutput,
     ShutdownRequest,
     StartupError,
     StatsReply,
     StatsRequest,
 )
+from deltaserve.executor.base import WorkerDiedError
 from deltaserve.request import FinishReason
 
 if TYPE_CHECKING:
-    from deltaserve.engine.engine_core import EngineCore, EngineCoreOutput
+    from deltaserve.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             outputs.send(_ENCODER.encode(StartupError(message=_one_line(e), traceback=traceback.format_exc())))
             return
         outputs.send(_ENCODER.encode(Ready(info=engine_info(core))))
-        failed = not serve(core, inputs, outputs, parent_pid)
+        try:
+            failed = not serve(core, inputs, outputs, parent_pid)
+        finally:
+            core.shutdown()
     finally:
         inputs.close(linger=0)
         outputs.close(linger=2000)  # deliver the last message (a StartupError or FatalError) before exiting
@@ -114,7 +118,7 @@ class EngineProc:
     def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
         self.core, self.inputs, self.outputs, self.parent_pid = core, inputs, outputs, parent_pid
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
-        self.rejected: list[RequestOutput] = []
+        self.rejected: list[EngineCoreOutput] = []
         self.failed_steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -129,7 +133,9 @@ class EngineProc:
             batch = self.rejected  # sent even on shutdown: the client may still wait for these answers
             self.rejected = []
             if running and self.core.has_unfinished_requests():
-                batch += [self.to_wire(out) for out in self.step()]
+                outs = self.step()
+                self.generation_tokens += sum(len(out.new_token_ids) for out in outs)
+                batch += outs
             if batch:
                 self.outputs.send(_ENCODER.encode(OutputBatch(outputs=batch, step=self.core.stats.steps)))
             if not running:
@@ -141,9 +147,12 @@ class EngineProc:
 
     def step(self) -> list[EngineCoreOutput]:
         """One engine step. A step that raises ends the requests in flight with an error and the engine goes on;
-        MAX_FAILED_STEPS failures in a row (a broken device, not one bad request) re-raise, which is fatal."""
+        MAX_FAILED_STEPS failures in a row (a broken device, not one bad request) or a dead worker re-raise, which is
+        fatal."""
         try:
             outputs = self.core.step()
+        except WorkerDiedError:  # the model is gone with its worker: nothing left to serve with
+            raise
         except Exception as e:
             self.failed_steps += 1
             if self.failed_steps >= MAX_FAILED_STEPS:
@@ -203,7 +212,7 @@ class EngineProc:
             self.prompt_tokens += len(msg.prompt_token_ids)
 
     def reject(self, request_id: str, error: str) -> None:
-        self.rejected.append(RequestOutput(request_id=request_id, new_token_ids=[], logprobs=[],
+        self.rejected.append(EngineCoreOutput(request_id=request_id, new_token_ids=[], logprobs=[],
                                            finish_reason=FinishReason.ERROR, error=error))
 
     def reject_undecodable(self, raw: bytes, error: Exception) -> None:
@@ -216,12 +225,3 @@ class EngineProc:
             self.reject(request_id, f"invalid request: {error}")
         else:
             logger.error("dropped an undecodable engine input: %s", error)
-
-    def to_wire(self, out) -> RequestOutput:  # noqa: ANN001 - an engine_core.EngineCoreOutput
-        self.generation_tokens += len(out.new_token_ids)
-        # The logprobs are runner.sampler.TokenLogprobs dataclasses; msgpack encodes them field by field and the
-        # client decodes them into messages.TokenLogprobs.
-        return RequestOutput(request_id=out.request_id, new_token_ids=out.new_token_ids, logprobs=out.logprobs,
-                             finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
-                             error=out.error, prompt_logprobs=out.prompt_logprobs)
-

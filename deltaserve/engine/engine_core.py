@@ -1,52 +1,38 @@
-"""`EngineCore`: the step loop. `step()` = schedule -> execute (model + sampling) -> update the requests."""
+"""`EngineCore`: the step loop. `step()` = hooks -> schedule -> execute (on the executor's workers) -> update.
+
+The core keeps the scheduler and the cache manager, both bookkeeping only; the model, the cache tensors and the
+sampler live in the workers behind an `Executor` (in this process by default, or one process per rank).
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import dataclass
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.planner import plan_cache
 from deltaserve.cache.spec import StateCacheSpec
 from deltaserve.config import EngineConfig, ModelConfig, parse_memory
+from deltaserve.engine.hooks import GrammarHook, ProposerHook, StepHook
+from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.stats import EngineStats
-from deltaserve.models.loader import load_model
+from deltaserve.executor import Executor, make_executor
+from deltaserve.outputs import TokenLogprobs
 from deltaserve.request import FinishReason, Request
-from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.output import SchedulerOutput
-from deltaserve.scheduler.scheduler import Scheduler, StepEvent
+from deltaserve.scheduler.scheduler import Scheduler
+from deltaserve.spec_decode.proposer import Proposer
 from deltaserve.structured.manager import StructuredOutputManager
 from deltaserve.text.tokenizer import Tokenizer
-from deltaserve.utils.malloc import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
 IDLE_COMPILE_WAIT_S = 0.05
 """With nothing to run but grammars compiling, `step()` waits this long at most for one to finish."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineCoreOutput:
-    """One request's progress in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[object | None]
-    """Per new token a `runner.sampler.TokenLogprobs`, or None when not requested."""
-    finish_reason: FinishReason | None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    """Why the request finished with FinishReason.ERROR (e.g. its grammar failed to compile); None otherwise."""
-    prompt_logprobs: list[object] | None = None
-    """On a request's first output, with params.prompt_logprobs: a `TokenLogprobs` per prompt token after the
-    first."""
 
 
 @dataclass(slots=True)
@@ -62,56 +48,24 @@ class StepStats:
         return 1.0 - self.forward_seconds / self.total_seconds if self.total_seconds else 0.0
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 class EngineCore:
-    """Owns the scheduler, the cache manager and the model runner of one model replica."""
+    """The scheduler and cache bookkeeping of one model replica, driving its workers through an executor.
 
-    def __init__(self, config: EngineConfig) -> None:
+    `proposer`: speculative decoding; its proposals are verified in the same step (outputs are unchanged).
+    """
+
+    def __init__(self, config: EngineConfig, *, proposer: Proposer | None = None) -> None:
         self.config = config
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={config.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        if config.device == "cpu" and not keep_freed_memory():  # steps reuse their temporaries (utils/malloc.py)
-            logger.info("not glibc: malloc left as it is")
         self.model_config = ModelConfig.from_pretrained(config.model)
-        model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
         model_limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
-        device = next(model.parameters()).device
-        cc = config.cache
-        specs = model.cache_specs()
-        available = available_memory_bytes(device)
-        budget = parse_memory(cc.cache_memory, available)
-        per_slot = sum(s.bytes_per_slot for s in specs if isinstance(s, StateCacheSpec))
-        num_ckpt = 0
-        if cc.enable_prefix_caching and per_slot:
-            num_ckpt = cc.num_checkpoint_slots
-            if num_ckpt is None:
-                num_ckpt = parse_memory(cc.checkpoint_memory, budget, "checkpoint_memory") // per_slot
-            logger.info("prefix cache: %d state checkpoint slots (%.1f MiB)", num_ckpt, num_ckpt * per_slot / 2**20)
-        layout = plan_cache(
-            specs, budget_bytes=max(budget - num_ckpt * per_slot, 0), block_size=cc.block_size,
-            max_num_seqs=config.scheduler.max_num_seqs, num_blocks=cc.num_blocks, num_slots=cc.num_state_slots,
-        )
-        needed = layout.total_bytes + num_ckpt * per_slot
-        if needed > available:  # checked before allocating: a cache larger than memory takes the machine down
-            raise ValueError(f"the cache needs {needed / 2**30:.2f} GiB (cache_memory={cc.cache_memory!r}, "
-                             f"num_blocks={cc.num_blocks}, num_state_slots={cc.num_state_slots}) but only "
-                             f"{available / 2**30:.2f} GiB are free on {device}")
-        self.cache = CacheManager(
-            num_blocks=layout.num_blocks, num_slots=layout.num_slots, block_size=cc.block_size,
-            num_checkpoint_slots=num_ckpt, bytes_per_slot=per_slot, enable_prefix_caching=cc.enable_prefix_caching,
-            checkpoint_interval=cc.state_checkpoint_interval,
-        )
+        self.executor: Executor = make_executor(config)
+        try:
+            self._plan_cache(proposer)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(config.scheduler, self.cache)
-        self.runner = ModelRunner(model, num_blocks=layout.num_blocks, block_size=cc.block_size,
-                                  num_slots=layout.num_slots + num_ckpt)
         self.stats = StepStats()
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
         """Called after every step with what was scheduled and the step's seconds (benchmarks use it)."""
@@ -121,10 +75,52 @@ class EngineCore:
             config.structured_output_backend, lambda: Tokenizer.from_pretrained(config.model),
             self.model_config.vocab_size,
         )
+        self.hooks: list[StepHook] = [GrammarHook(self.scheduler, self.structured)]
+        if proposer is not None:
+            self.hooks.append(ProposerHook(self.scheduler, proposer))
         self._arrivals = itertools.count()
-        self._prompt_logprobs: dict[str, list[object]] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         """Prompt logprobs computed by prefill chunks, until the request's first output carries them."""
-        torch.manual_seed(config.seed)  # the shared generator of unseeded sampling
+
+    def _plan_cache(self, proposer: Proposer | None) -> None:
+        """Size the pools from the workers' free memory, tell the workers to allocate them, build the manager."""
+        cc = self.config.cache
+        info = self.executor.describe()
+        available = info.available_memory_bytes
+        budget = parse_memory(cc.cache_memory, available)
+        per_slot = sum(s.bytes_per_slot for s in info.cache_specs if isinstance(s, StateCacheSpec))
+        num_ckpt = 0
+        if cc.enable_prefix_caching and per_slot:
+            num_ckpt = cc.num_checkpoint_slots
+            if num_ckpt is None:
+                num_ckpt = parse_memory(cc.checkpoint_memory, budget, "checkpoint_memory") // per_slot
+            logger.info("prefix cache: %d state checkpoint slots (%.1f MiB)", num_ckpt, num_ckpt * per_slot / 2**20)
+        # Speculative steps keep the state after each proposed token in a scratch slot: k per running sequence.
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        num_scratch = max_num_seqs * proposer.num_speculative_tokens if proposer is not None else 0
+        if num_scratch:
+            logger.info("speculative decoding: %d scratch state slots (%.1f MiB)", num_scratch,
+                        num_scratch * per_slot / 2**20)
+        reserved = (num_ckpt + num_scratch) * per_slot
+        layout = plan_cache(
+            info.cache_specs, budget_bytes=max(budget - reserved, 0), block_size=cc.block_size,
+            max_num_seqs=max_num_seqs, num_blocks=cc.num_blocks, num_slots=cc.num_state_slots,
+        )
+        needed = layout.total_bytes + reserved
+        if needed > available:  # checked before allocating: a cache larger than memory takes the machine down
+            raise ValueError(f"the cache needs {needed / 2**30:.2f} GiB (cache_memory={cc.cache_memory!r}, "
+                             f"num_blocks={cc.num_blocks}, num_state_slots={cc.num_state_slots}) but only "
+                             f"{available / 2**30:.2f} GiB are free on {info.device}")
+        self.executor.initialize_cache(layout, layout.num_slots + num_ckpt + num_scratch)
+        self.cache = CacheManager(
+            num_blocks=layout.num_blocks, num_slots=layout.num_slots, block_size=cc.block_size,
+            num_checkpoint_slots=num_ckpt, bytes_per_slot=per_slot, enable_prefix_caching=cc.enable_prefix_caching,
+            checkpoint_interval=cc.state_checkpoint_interval, num_scratch_slots=num_scratch,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+        self.executor.shutdown()
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError for an empty, out-of-vocabulary or too long prompt."""
@@ -155,6 +151,7 @@ class EngineCore:
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, stop_token_ids=stops,
             arrival_index=next(self._arrivals), priority=priority, max_total_tokens=self.max_model_len,
+            skip_prefix_cache=params.prompt_logprobs is not None,  # every prompt position must run the model
         )
         if params.structured is None:
             self.scheduler.add_request(request)
@@ -182,9 +179,8 @@ class EngineCore:
         self._in_step = None
         ids = list(dict.fromkeys([*held, *self.scheduler.requests]))
         self.cache.end_step()
-        for request_id in ids:
+        for request_id in ids:  # the workers drop their sampling state with the next step's finished ids
             self.finish_request(request_id, FinishReason.ERROR)
-        self.runner.forget_requests()
         self.reset_prefix_cache()
         return made + [EngineCoreOutput(request_id=rid, new_token_ids=[], logprobs=[], finish_reason=FinishReason.ERROR,
                                         num_cached_tokens=0, error=error) for rid in ids]
@@ -211,22 +207,26 @@ class EngineCore:
         )
 
     def step(self) -> list[EngineCoreOutput]:
-        """One engine iteration: schedule, run the model and the sampler, update every scheduled request.
+        """One engine iteration: hooks, schedule, run the model and the sampler on the workers, update every
+        scheduled request.
 
         Requests whose grammar finished compiling join the scheduler first (a failed compile yields one output
-        with FinishReason.ERROR); constrained sampling rows get their grammar's token bitmask.
+        with FinishReason.ERROR); constrained sampling rows get their grammar's token bitmask; a proposer's tokens
+        are verified in the step, so a request may gain several tokens at once.
         """
         if self.structured.num_pending and not self.scheduler.has_unfinished():
             self.structured.wait(IDLE_COMPILE_WAIT_S)  # nothing else to run: do not spin while grammars compile
         start = time.perf_counter()
-        outputs = self._admit_compiled()
+        outputs = [out for hook in self.hooks for out in hook.before_schedule()]
         self._in_step = (list(outputs), list(self.scheduler.requests))  # what fail_unfinished reports if it raises
-        out = self._with_grammar_bitmask(self.scheduler.schedule())
-        result = self.runner.execute(out)
+        out = self.scheduler.schedule()
+        for hook in self.hooks:
+            out = hook.after_schedule(out)
+        result = self.executor.execute_model(out)
         for rid, entries in result.prompt_logprobs.items():  # held until the request's first token
             self._prompt_logprobs.setdefault(rid, []).extend(entries)
         events = self.scheduler.update_from_output(out, result)
-        rejected = self._advance_grammars(events)
+        errors = {rid: error for hook in self.hooks for rid, error in hook.after_update(events).items()}
         elapsed = time.perf_counter() - start
         self.stats.steps += 1
         self.stats.total_seconds += elapsed
@@ -234,56 +234,20 @@ class EngineCore:
         if self.step_observer is not None:
             self.step_observer(out, elapsed)
         for e in events:
-            error = rejected.get(e.request.request_id)
+            error = errors.get(e.request.request_id)
             outputs.append(EngineCoreOutput(
-                request_id=e.request.request_id, new_token_ids=[e.token.token_id], logprobs=[e.token.logprobs],
+                request_id=e.request.request_id, new_token_ids=[t.token_id for t in e.tokens],
+                logprobs=[t.logprobs for t in e.tokens],
                 finish_reason=e.finish_reason if error is None else FinishReason.ERROR,
                 num_cached_tokens=e.request.num_cached_tokens or 0, error=error,
-                prompt_logprobs=self._first_prompt_logprobs(e.request),
+                prompt_logprobs=self._first_prompt_logprobs(e.request, len(e.tokens)),
             ))
         self._in_step = None
         return outputs
 
-    def _first_prompt_logprobs(self, request: Request) -> list[object] | None:
-        """The prompt logprobs for the output of a request's first token ([] for a one-token prompt, which has
+    def _first_prompt_logprobs(self, request: Request, num_new: int) -> list[TokenLogprobs] | None:
+        """The prompt logprobs for the output of a request's first tokens ([] for a one-token prompt, which has
         nothing to score); None on later outputs and for requests that did not ask."""
-        if request.params.prompt_logprobs is None or len(request.output_token_ids) != 1:
+        if request.params.prompt_logprobs is None or len(request.output_token_ids) != num_new:
             return None
         return self._prompt_logprobs.pop(request.request_id, [])
-
-    # -- structured output ---------------------------------------------------------------------------------------
-
-    def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Queue the requests whose grammar is ready; finish those whose compile failed, one output each."""
-        if not self.structured.num_pending:
-            return []
-        compiled, failed = self.structured.take_finished()
-        for request in compiled:
-            self.scheduler.add_request(request)
-        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], logprobs=[],
-                                 finish_reason=FinishReason.ERROR, error=message) for r, message in failed]
-
-    def _with_grammar_bitmask(self, out: SchedulerOutput) -> SchedulerOutput:
-        """Attach the token bitmask of every constrained request that samples this step (none: `out` unchanged)."""
-        requests = self.scheduler.requests
-        ids = [c.request_id for c in out.chunks if c.sample and requests[c.request_id].grammar is not None]
-        if not ids:
-            return out
-        bitmask = self.structured.bitmask([requests[rid].grammar for rid in ids])
-        return replace(out, structured_request_ids=ids, grammar_bitmask=bitmask)
-
-    def _advance_grammars(self, events: list[StepEvent]) -> dict[str, str]:
-        """Feed every constrained request its new token (once: recompute never re-feeds). A token the grammar
-        rejects finishes the request with an error (by id -> message); a finished request's grammar is dropped."""
-        rejected: dict[str, str] = {}
-        for e in events:
-            request, grammar = e.request, e.request.grammar
-            if grammar is None:
-                continue
-            if e.finish_reason is None and not grammar.accept_token(e.token.token_id):
-                rejected[request.request_id] = f"the structured-output grammar rejected token {e.token.token_id}"
-                logger.error("request %s: %s", request.request_id, rejected[request.request_id])
-                self.scheduler.finish_request(request.request_id, FinishReason.ERROR)
-            if request.is_finished:
-                request.grammar = None
-        return rejected

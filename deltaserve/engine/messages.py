@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgspec
 
 from deltaserve.engine.stats import EngineStats
+from deltaserve.outputs import TokenLogprobs
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
 
@@ -76,20 +77,9 @@ EngineInput = AddRequest | AbortRequest | StatsRequest | ShutdownRequest
 # -- engine -> client ----------------------------------------------------------------------------------------------
 
 
-class TokenLogprobs(msgspec.Struct, frozen=True):
-    """Field for field `runner.sampler.TokenLogprobs` (the engine encodes that dataclass; this decodes it)."""
-
-    token_id: int
-    logprob: float
-    """Of the sampled token, from the raw logits."""
-    rank: int
-    """1 + the number of tokens with a strictly higher logprob."""
-    top: tuple[tuple[int, float], ...]
-    """The `params.logprobs` most likely (token id, logprob) pairs, best first."""
-
-
-class RequestOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
-    """One request's progress in one step, or its end by an error (`error` set, `finish_reason` ERROR)."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
+    """One request's progress in one step, or its end by an error (`error` set, `finish_reason` ERROR): what
+    `EngineCore.step` returns and what crosses the wire to the client unchanged."""
 
     request_id: str
     new_token_ids: list[int]
@@ -123,7 +113,7 @@ class StartupError(msgspec.Struct, tag="startup_error", frozen=True, kw_only=Tru
 class OutputBatch(msgspec.Struct, tag="outputs", frozen=True, kw_only=True):
     """Everything one engine step produced (plus requests rejected since the previous step)."""
 
-    outputs: list[RequestOutput]
+    outputs: list[EngineCoreOutput]
     step: int
     """The engine's step counter after this step."""
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.layers.forward_batch import ForwardBatch, KDALayerCache
+from deltaserve.layers.forward_batch import KDALayerCache
 from deltaserve.ops import sampling as sampling_ops
+from deltaserve.outputs import TokenLogprobs
+from deltaserve.runner.input_batch import InputBatch
 from deltaserve.runner.kv_tensors import allocate_layer_caches
-from deltaserve.runner.sampler import SamplingRow, TokenBitmask, TokenLogprobs, sample
+from deltaserve.runner.sampler import SamplingRow, TokenBitmask, sample
 from deltaserve.scheduler.output import NewRequestData, RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 
 
@@ -29,13 +32,15 @@ class _RequestState:
 class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one step over any mix of prefill and decode chunks."""
 
-    def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, num_slots: int) -> None:
+    def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, num_slots: int,
+                 max_num_tokens: int = 2048) -> None:
         self.model = model
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.device = next(model.parameters()).device
         self.caches = allocate_layer_caches(
             model.cache_specs(), num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device=self.device
         )
+        self.input_batch = InputBatch(block_size=block_size, device=self.device, max_num_tokens=max_num_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_forward_seconds = 0.0
@@ -44,7 +49,8 @@ class ModelRunner:
     # -- the engine's entry point --------------------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one scheduled step; returns a sampled token for every chunk with `sample` set."""
+        """Run one scheduled step; returns the tokens of every chunk with `sample` set (with proposed tokens: the
+        accepted ones, then one sampled token)."""
         self.last_forward_seconds = 0.0
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
@@ -52,59 +58,85 @@ class ModelRunner:
             seed = data.params.seed
             gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             self._requests[data.request_id] = _RequestState(data, gen)
-        sampled: dict[str, SampledToken] = {}
+        sampled: dict[str, list[SampledToken]] = {}
         self._prompt_logprobs = {}
         self.apply_copies(out.block_copies, out.state_copies)
         if out.chunks:
             logits = self.execute_model(out.chunks, only_sampled=True)
             chunks = [c for c in out.chunks if c.sample]
-            states = [self._requests[c.request_id] for c in chunks]
-            rows = [
-                SamplingRow(params=s.data.params, generator=s.generator, prompt_token_ids=s.data.prompt_token_ids,
-                            output_token_ids=s.output_token_ids, stop_token_ids=s.data.stop_token_ids)
-                for s in states
-            ]
-            if rows:
-                result = sample(logits, rows, self._token_bitmask(out, chunks))
-                for c, s, tok, lp in zip(chunks, states, result.token_ids, result.logprobs, strict=True):
-                    s.output_token_ids.append(tok)
-                    sampled[c.request_id] = SampledToken(tok, lp)
+            if chunks:
+                sampled = self._sample(logits, chunks, self._token_bitmask(out, chunks))
         return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
                             forward_seconds=self.last_forward_seconds)
 
-    def forget_requests(self) -> None:
-        """Drop every request's sampling state (after a failed step ended them all)."""
-        self._requests.clear()
+    def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], bitmask: TokenBitmask | None
+                ) -> dict[str, list[SampledToken]]:
+        """Sample every chunk's next token; for chunks with proposed tokens, verify them position by position.
+
+        `logits` has 1 + num_proposed rows per chunk, in chunk order. Round j samples position j of every chunk
+        whose proposals 1..j were all accepted, as plain decoding would sample that token (the same penalties,
+        masks and generator draws, given the tokens accepted before it); proposal j + 1 is accepted when the sampled
+        token equals it. So greedy and seeded outputs are exactly those of plain decoding. (Real rejection sampling
+        with draft probabilities replaces this rule with speculative decoding.)"""
+        states = [self._requests[c.request_id] for c in chunks]
+        first_row = list(itertools.accumulate((1 + c.num_proposed for c in chunks), initial=0))
+        if bitmask is not None and any(chunks[i].num_proposed for i in bitmask.row_indices):
+            raise ValueError("a request constrained by a grammar cannot verify proposed tokens")
+        out: dict[str, list[SampledToken]] = {c.request_id: [] for c in chunks}
+        active = list(range(len(chunks)))
+        for j in range(1 + max(c.num_proposed for c in chunks)):
+            rows = [SamplingRow(params=states[i].data.params, generator=states[i].generator,
+                                prompt_token_ids=states[i].data.prompt_token_ids,
+                                output_token_ids=states[i].output_token_ids,
+                                stop_token_ids=states[i].data.stop_token_ids) for i in active]
+            step_logits = logits if len(first_row) - 1 == logits.shape[0] else logits[
+                torch.tensor([first_row[i] + j for i in active], device=logits.device)]
+            result = sample(step_logits, rows, bitmask if j == 0 else None)
+            still = []
+            for i, tok, lp in zip(active, result.token_ids, result.logprobs, strict=True):
+                states[i].output_token_ids.append(tok)
+                out[chunks[i].request_id].append(SampledToken(tok, lp))
+                if j < chunks[i].num_proposed and tok == chunks[i].new_token_ids[1 + j]:
+                    still.append(i)
+            if not still:
+                break
+            active = still
+        return out
 
     @staticmethod
     def _token_bitmask(out: SchedulerOutput, sampled: Sequence[ScheduledChunk]) -> TokenBitmask | None:
         """The grammar bitmask of the constrained rows among the `sampled` chunks (structured output), or None."""
-        if not out.structured_request_ids:
+        if not out.structured_request_ids or out.grammar_bitmask is None:
             return None
         row = {c.request_id: i for i, c in enumerate(sampled)}
         return TokenBitmask(row_indices=[row[rid] for rid in out.structured_request_ids],
-                            bitmask=out.grammar_bitmask)  # type: ignore[arg-type]
+                            bitmask=out.grammar_bitmask)
 
     # -- the model step ------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, chunks: Sequence[ScheduledChunk], only_sampled: bool = False) -> torch.Tensor:
-        """Forward pass; fp32 last-token logits [N, vocab] of each chunk in the order given (of the sampled chunks
-        only, when `only_sampled`)."""
+        """Forward pass; fp32 logits [N, vocab], in the order of `chunks`: the last position of each chunk (of the
+        sampled chunks only, when `only_sampled`), and for a sampled chunk with proposed tokens its last
+        1 + num_proposed positions."""
         for c in chunks:
             if c.reset_state:
                 self.reset_slot(c.state_slot)
-        ids, batch, order = self.build_batch(chunks)
+        ids, batch, order = self.input_batch.build(chunks)
         start = time.perf_counter()
         hidden = self.model(ids, batch, self.caches)
-        last = batch.cu_seqlens[1:] - 1
-        inverse = torch.empty(len(order), dtype=torch.int64)
-        inverse[torch.tensor(order)] = torch.arange(len(order))  # original index -> row in the batch
-        wanted = [i for i, c in enumerate(chunks) if c.sample or not only_sampled]
-        rows = last[inverse[torch.tensor(wanted, dtype=torch.int64)].to(last.device)]
-        logits = self.model.compute_logits(hidden[rows])
+        row_of_chunk = [0] * len(order)  # original index -> sequence row in the batch
+        for row, i in enumerate(order):
+            row_of_chunk[i] = row
+        cu = batch.cu_seqlens_host
+        rows: list[int] = []
+        for i, c in enumerate(chunks):
+            if c.sample or not only_sampled:
+                end = cu[row_of_chunk[i] + 1]
+                rows.extend(range(end - 1 - (c.num_proposed if c.sample else 0), end))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
         if any(self._wants_prompt_logprobs(c.request_id) for c in chunks):
-            self._collect_prompt_logprobs(chunks, hidden, batch.cu_seqlens_host, inverse.tolist())
+            self._collect_prompt_logprobs(chunks, hidden, cu, row_of_chunk)
         self.last_forward_seconds = time.perf_counter() - start
         return logits
 
@@ -142,46 +174,6 @@ class ModelRunner:
                     entries.append(TokenLogprobs(token_id=t, logprob=lp, rank=rank,
                                                  top=tuple(zip(ids, values, strict=True))))
             state.num_prompt_logprobs = end
-
-    def build_batch(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
-        """Flatten `chunks` (decodes first). Returns input ids [T], the batch, and the order used."""
-        is_decode = [c.is_decode for c in chunks]
-        order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
-        ordered = [chunks[i] for i in order]
-        lens = torch.tensor([len(c.new_token_ids) for c in ordered], dtype=torch.int64)
-        if (lens < 1).any():
-            raise ValueError("every scheduled chunk needs at least one new token")
-        computed = torch.tensor([c.num_computed_tokens for c in ordered], dtype=torch.int64)
-        max_blocks = max(len(c.block_ids) for c in ordered)
-        tables = torch.zeros(len(ordered), max_blocks, dtype=torch.int64)
-        for row, c in enumerate(ordered):
-            tables[row, : len(c.block_ids)] = torch.as_tensor(list(c.block_ids), dtype=torch.int64)
-        seq_of_row = torch.repeat_interleave(torch.arange(len(ordered)), lens)
-        cu = torch.zeros(len(ordered) + 1, dtype=torch.int64)
-        cu[1:] = lens.cumsum(0)
-        positions = computed[seq_of_row] + torch.arange(int(cu[-1])) - cu[:-1][seq_of_row]
-        block = tables[seq_of_row, positions // self.block_size]
-        slot_mapping = block * self.block_size + positions % self.block_size
-        ids = torch.tensor([t for c in ordered for t in c.new_token_ids], dtype=torch.int64)
-        dev = self.device
-        num_decodes = sum(is_decode)
-        prefills = ordered[num_decodes:]
-        saving = any(c.checkpoints for c in prefills)
-        decode_slots = [c.state_slot for c in ordered[:num_decodes]]
-        consecutive = decode_slots and decode_slots == list(range(decode_slots[0], decode_slots[0] + num_decodes))
-        batch = ForwardBatch(
-            cu_seqlens=cu.to(dev),
-            cu_seqlens_host=tuple(cu.tolist()),
-            context_lens=(computed + lens).to(dev),
-            num_decodes=num_decodes,
-            decode_slot_range=slice(decode_slots[0], decode_slots[0] + num_decodes) if consecutive else None,
-            state_indices=torch.tensor([c.state_slot for c in ordered], dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=slot_mapping.to(dev),
-            checkpoint_positions=tuple(tuple(p for p, _ in c.checkpoints) for c in prefills) if saving else None,
-            checkpoint_slots=tuple(tuple(s for _, s in c.checkpoints) for c in prefills) if saving else None,
-        )
-        return ids.to(dev), batch, order
 
     def apply_copies(
         self, block_copies: Sequence[tuple[int, int, int]], state_copies: Sequence[tuple[int, int]]

@@ -15,6 +15,7 @@ from itertools import accumulate, chain
 import torch
 
 from deltaserve.ops import sampling as sampling_ops
+from deltaserve.outputs import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -44,19 +45,6 @@ class TokenBitmask:
     """Logits rows constrained, in the order of the bitmask's rows."""
     bitmask: torch.Tensor
     """``[len(row_indices), ceil(V / 32)]`` int32: bit j of word w set = token 32 * w + j allowed."""
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """Logprobs of one sampled token, from the raw logits (log_softmax before penalties, temperature and filters)."""
-
-    token_id: int
-    logprob: float
-    """Of the sampled token."""
-    rank: int
-    """1 + the number of tokens with a strictly higher logprob (1 = most likely)."""
-    top: tuple[tuple[int, float], ...]
-    """The ``params.logprobs`` most likely ``(token id, logprob)`` pairs, best first (empty for logprobs=0)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deltaserve.outputs import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -33,7 +34,11 @@ class ScheduledChunk:
     sample: bool = True
     """The chunk reaches the end of the known tokens, so a token is sampled after it."""
     checkpoints: tuple[tuple[int, int], ...] = ()
-    """(position within this chunk, checkpoint slot): save the KDA state after that many of its tokens."""
+    """(position within this chunk, checkpoint slot): save the KDA state after that many of its tokens (prefix-cache
+    checkpoints, and the scratch states of a speculative step)."""
+    num_proposed: int = 0
+    """The chunk's last `num_proposed` tokens are proposed, not yet sampled (speculative decoding): the runner returns
+    logits for the chunk's last 1 + num_proposed positions and verifies them; `sample` is set."""
 
     @property
     def is_decode(self) -> bool:
@@ -70,16 +75,17 @@ class SampledToken:
     """One sampled token and, when requested, its log-probabilities."""
 
     token_id: int
-    logprobs: object | None = None
-    """`runner.sampler.TokenLogprobs` (kept opaque here so the scheduler needs no torch)."""
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunnerOutput:
-    """What one executed step produced: a token for every chunk with `sample` set."""
+    """What one executed step produced: tokens for every chunk with `sample` set."""
 
-    sampled: dict[str, SampledToken]
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    sampled: dict[str, list[SampledToken]]
+    """Per sampling request, in order: the proposed tokens the verification accepted, then one sampled token (a
+    plain step: just that one). So `len - 1` proposed tokens were accepted."""
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     """Per request that asked for them, the `TokenLogprobs` of the prompt positions this step computed (in order;
     the first prompt token has none)."""
     forward_seconds: float = 0.0

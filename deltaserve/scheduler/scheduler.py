@@ -39,10 +39,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class StepEvent:
-    """A token generated for a request in one step, and whether that finished it."""
+    """The tokens a request gained in one step (one, or several in a speculative step), and whether they finished
+    it (then the last token is the one that did)."""
 
     request: Request
-    token: SampledToken
+    tokens: list[SampledToken]
     finish_reason: FinishReason | None
 
 
@@ -111,9 +112,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, n, scheduled):
-                chunks.append(self._chunk(request, n))
+                chunk = self._proposed_chunk(request, budget) if request.spec_token_ids else None
+                chunk = chunk or self._chunk(request, n)
+                chunks.append(chunk)
                 scheduled.add(request.request_id)
-                budget -= n
+                budget -= len(chunk.new_token_ids)
             else:
                 preempted = True
         if not preempted:
@@ -134,15 +137,26 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += len(chunk.new_token_ids)
-            self.cache.commit(request)
+            request.spec_token_ids = []
             self._last_progress, self._stall_logged = self.clock(), False
             if not chunk.sample:
+                request.num_computed_tokens += len(chunk.new_token_ids)
+                self.cache.commit(request)
                 continue
-            token = result.sampled[chunk.request_id]
-            request.output_token_ids.append(token.token_id)
-            reason = self._stop_reason(request, token.token_id)
-            events.append(StepEvent(request, token, reason))
+            tokens: list[SampledToken] = []
+            reason = None
+            for token in result.sampled[chunk.request_id]:  # accepted proposals, then the sampled token
+                tokens.append(token)
+                request.output_token_ids.append(token.token_id)
+                reason = self._stop_reason(request, token.token_id)
+                if reason is not None:  # tokens after a stop are dropped, and their state with them
+                    break
+            accepted = len(tokens) - 1
+            request.num_computed_tokens += len(chunk.new_token_ids) - chunk.num_proposed + accepted
+            if chunk.num_proposed:
+                self.cache.commit_proposed(request.request_id, accepted)
+            self.cache.commit(request)
+            events.append(StepEvent(request, tokens, reason))
             if reason is not None:
                 self._finish(request, reason)
         return events
@@ -186,7 +200,7 @@ class Scheduler:
     def _inflight_prefix(self, request: Request, hit_length: int) -> bool:
         """Whether a running request's prefill will soon checkpoint a shared prefix covering at least half of
         what this prompt would otherwise compute (waiting for a small gain would only delay it)."""
-        if not self.cache.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.cache.enable_prefix_caching or request.skip_prefix_cache:
             return False
         bs = self.cache.block_size
         mine = self.cache.hashes(request, (request.num_prompt_tokens - 1) // bs)
@@ -215,6 +229,28 @@ class Scheduler:
             checkpoints=tuple(self.cache.plan_checkpoints(request, start, start + n)),
         )
 
+    def _proposed_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+        """A decode that also verifies the request's proposed tokens, as many as the budget, its length limits,
+        free blocks (no preemption for proposals) and scratch slots allow; None to decode without them."""
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return None
+        room = min(request.params.max_tokens - len(request.output_token_ids),
+                   request.max_total_tokens - request.num_tokens)  # tokens this request may still gain
+        k = min(len(request.spec_token_ids), budget - 1, room - 1)
+        if k < 1 or not self.cache.allocate(request.request_id, request.num_tokens + k):
+            return None
+        scratch = self.cache.allocate_scratch(request.request_id, k)
+        if scratch is None:
+            return None
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            new_token_ids=[*request.token_slice(start, start + 1), *request.spec_token_ids[:k]],
+            num_computed_tokens=start, state_slot=self.cache.slot(request.request_id),
+            block_ids=list(self.cache.block_ids(request.request_id)), sample=True,
+            checkpoints=tuple((i + 1, slot) for i, slot in enumerate(scratch)), num_proposed=k,
+        )
+
     def _new_data(self, request: Request) -> NewRequestData:
         return NewRequestData(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                               params=request.params, stop_token_ids=request.stop_token_ids)
@@ -229,6 +265,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.cache.free(request)  # with prefix caching its state is kept as a checkpoint: resumption hits it
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.running.remove(request)

@@ -16,10 +16,10 @@ import zmq
 
 from deltaserve.engine import core_proc
 from deltaserve.engine.core_proc import EngineProc, serve
-from deltaserve.engine.engine_core import EngineCoreOutput
 from deltaserve.engine.messages import (
     AbortRequest,
     AddRequest,
+    EngineCoreOutput,
     EngineOutput,
     FatalError,
     OutputBatch,

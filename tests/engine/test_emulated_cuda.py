@@ -77,7 +77,7 @@ def test_engine_on_emulated_cuda_equals_cpu(tiny_dir, variant):
     cpu = [o.outputs[0].token_ids for o in LLM(model=str(tiny_dir(variant))).generate(PROMPTS, params)]
     with emulated_cuda():
         llm = LLM(model=str(tiny_dir(variant)), device="cuda", max_num_batched_tokens=32)  # chunked prefill
-        assert all(p.device == CUDA for p in llm.engine.runner.model.parameters())
+        assert all(p.device == CUDA for p in llm.engine.executor.worker.runner.model.parameters())
         gpu = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert gpu == cpu
 
@@ -118,7 +118,7 @@ def test_step_copies_to_host(tiny_dir, dtype):
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     with emulated_cuda(capability=(9, 0)) as stats:
         engine = LLM(model=str(tiny_dir("base")), device="cuda", dtype=dtype).engine
-        moe_layers = sum(1 for m in engine.runner.model.modules() if type(m).__name__ == "MoE")
+        moe_layers = sum(1 for m in engine.executor.worker.runner.model.modules() if type(m).__name__ == "MoE")
         for rid, prompt in enumerate(PROMPTS):
             engine.add_request(str(rid), prompt, params)
         counts: list[int] = []

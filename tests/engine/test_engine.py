@@ -133,13 +133,13 @@ def test_failed_step_ends_requests_frees_cache_and_engine_recovers(path, prompts
         engine.add_request(f"f{i}", p, GREEDY)
     engine.add_request("bad-grammar", [5, 6], SamplingParams(max_tokens=4, structured=StructuredOutput("regex", "(")))
     engine.structured.wait(timeout=30)  # the compile fails now; the failing step below admits (reports) it
-    real_forward = engine.runner.model.forward
+    real_forward = engine.executor.worker.runner.model.forward
 
     def failing_forward(*args, **kwargs):
         real_forward(*args, **kwargs)
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(engine.runner.model, "forward", failing_forward)
+    monkeypatch.setattr(engine.executor.worker.runner.model, "forward", failing_forward)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     monkeypatch.undo()
@@ -150,6 +150,6 @@ def test_failed_step_ends_requests_frees_cache_and_engine_recovers(path, prompts
     assert not engine.has_unfinished_requests()
     usage = engine.cache.usage()
     assert usage.num_free_blocks == usage.num_blocks and usage.num_free_slots == usage.num_slots
-    assert not engine.runner._requests
     again = llm.generate(prompts[10:13], GREEDY)
     assert token_ids(again) == alone[10:13] and all(r.num_cached_tokens == 0 for r in again)
+    assert not engine.executor.worker.runner._requests  # the failed step's requests were dropped by the next one

@@ -125,7 +125,7 @@ def definitional_logits(model, ids: list[int], block_size: int | None) -> torch.
     runner = ModelRunner(model, num_blocks=16, block_size=16, num_slots=2)
     chunk = ScheduledChunk(request_id="r", new_token_ids=ids, num_computed_tokens=0, state_slot=1,
                            block_ids=list(range(16)), reset_state=True)
-    x, batch, _ = runner.build_batch([chunk])
+    x, batch, _ = runner.input_batch.build([chunk])
     eps = model.config.rms_norm_eps
 
     def mixer(h, layer, cache):

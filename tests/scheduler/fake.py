@@ -37,8 +37,13 @@ class FakeRunner:
             assert len(c.block_ids) * self.block_size >= len(seq), "too few blocks for the cached tokens"
             for b in c.block_ids:
                 assert used_blocks.setdefault(b, c.request_id) == c.request_id, f"block {b} shared in one step"
-            if c.sample:
-                sampled[c.request_id] = SampledToken(next_token(seq))
+            if c.sample:  # verify proposals as the runner does: accept while the sampled token equals them
+                accepted = 0
+                sampled[c.request_id] = [SampledToken(next_token(seq[:len(seq) - c.num_proposed]))]
+                while accepted < c.num_proposed and sampled[c.request_id][-1].token_id == c.new_token_ids[1 + accepted]:
+                    accepted += 1
+                    sampled[c.request_id].append(SampledToken(next_token(seq[:len(seq) - c.num_proposed + accepted])))
+                del seq[len(seq) - c.num_proposed + accepted:]  # rejected proposals were never computed
         return RunnerOutput(sampled=sampled)
 
 
@@ -72,7 +77,7 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 10_
             return outputs
         out = sched.schedule()
         for ev in sched.update_from_output(out, runner.execute(out)):
-            outputs.setdefault(ev.request.request_id, []).append(ev.token.token_id)
+            outputs.setdefault(ev.request.request_id, []).extend(t.token_id for t in ev.tokens)
     raise AssertionError(f"not finished after {max_steps} steps")
 
 

@@ -1,0 +1,64 @@
+"""The `Executor` protocol between the engine core and its workers, and the factory that picks one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
+from deltaserve.config import EngineConfig
+from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from deltaserve.cache.planner import CacheLayout
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while the engine depended on it: fatal for the engine (never retried)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerInfo:
+    """What a worker reports once its model is loaded, for the core to plan the cache."""
+
+    cache_specs: tuple[KVCacheSpec | StateCacheSpec, ...]
+    """Per layer, what it keeps (the model's `cache_specs()`)."""
+    available_memory_bytes: int
+    """Free memory of the worker's device, after loading the model."""
+    device: str
+    """Where the model lives ('cpu', 'cuda:0')."""
+
+
+class Executor(Protocol):
+    """Runs the model for the engine core. Every method is called from the core's thread, one at a time."""
+
+    def describe(self) -> WorkerInfo:
+        """What the workers loaded (the smallest free memory of all ranks)."""
+        ...
+
+    def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
+        """Allocate the cache tensors: `layout.num_blocks` KV blocks and `num_slots` state slots (running,
+        checkpoint and scratch slots together), and build the model runner."""
+        ...
+
+    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step on every worker; rank 0's sampled tokens. Raises WorkerDiedError when a worker
+        is gone; any other exception is a failed step (the core ends the requests it held and goes on)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+        ...
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor named by `config.parallel.distributed_executor_backend` ('uni' or 'mp'), workers started and
+    the model loaded."""
+    backend = config.parallel.distributed_executor_backend
+    if backend == "mp":
+        from deltaserve.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from deltaserve.executor.uniproc import UniprocExecutor
+
+    return UniprocExecutor(config)

@@ -1,0 +1,56 @@
+"""`Worker`: one rank's device, model, cache tensors and model runner (with its sampler)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from deltaserve.cache.planner import CacheLayout
+from deltaserve.config import EngineConfig
+from deltaserve.executor.base import WorkerInfo
+from deltaserve.models.loader import load_model
+from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
+from deltaserve.utils.malloc import keep_freed_memory
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free bytes on `device` (CUDA: the driver's free memory; CPU: the free physical pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class Worker:
+    """Loads the model on its device at construction; `initialize_cache` then builds the runner."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config, self.rank = config, rank
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={config.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if config.device == "cpu" and not keep_freed_memory():  # steps reuse their temporaries (utils/malloc.py)
+            logger.info("not glibc: malloc left as it is")
+        self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
+        self.device = next(self.model.parameters()).device
+        self.runner: ModelRunner | None = None
+        torch.manual_seed(config.seed)  # the shared generator of unseeded sampling
+
+    def describe(self) -> WorkerInfo:
+        return WorkerInfo(cache_specs=tuple(self.model.cache_specs()),
+                          available_memory_bytes=available_memory_bytes(self.device), device=str(self.device))
+
+    def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
+        self.runner = ModelRunner(self.model, num_blocks=layout.num_blocks, block_size=layout.block_size,
+                                  num_slots=num_slots,
+                                  max_num_tokens=self.config.scheduler.max_num_batched_tokens)
+
+    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+        if self.runner is None:
+            raise RuntimeError("execute_model before initialize_cache")
+        return self.runner.execute(out)

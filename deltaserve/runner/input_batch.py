@@ -1,0 +1,96 @@
+"""`InputBatch`: the per-step input tensors written into persistent host buffers instead of allocated each step.
+
+Each buffer grows (doubling) the first time a step needs more and is reused afterwards, so a steady state allocates
+no input tensors; on a CPU the tensors handed to the model are views of these buffers (no copy), on a GPU one copy
+each. CUDA graphs will need fixed addresses for the same tensors; this is where they will live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from deltaserve.layers.forward_batch import ForwardBatch
+from deltaserve.scheduler.output import ScheduledChunk
+
+
+class InputBatch:
+    """Builds one step's flattened varlen batch (decode rows first) in reused int64 host buffers."""
+
+    def __init__(self, *, block_size: int, device: torch.device, max_num_tokens: int = 2048,
+                 max_num_seqs: int = 64) -> None:
+        self.block_size, self.device = block_size, device
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._arrays: dict[str, np.ndarray] = {}
+        for name, size in (("ids", max_num_tokens), ("slot_mapping", max_num_tokens), ("cu", max_num_seqs + 1),
+                           ("context_lens", max_num_seqs), ("state_indices", max_num_seqs),
+                           ("block_tables", max_num_seqs * 64)):
+            self._grow(name, size)
+
+    def build(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
+        """Flatten `chunks` (decodes first). Returns input ids [T], the batch, and the order used (batch row i is
+        `chunks[order[i]]`)."""
+        is_decode = [c.is_decode for c in chunks]
+        order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
+        ordered = [chunks[i] for i in order]
+        n = len(ordered)
+        lens = np.fromiter((len(c.new_token_ids) for c in ordered), dtype=np.int64, count=n)
+        if (lens < 1).any():
+            raise ValueError("every scheduled chunk needs at least one new token")
+        total = int(lens.sum())
+        computed = np.fromiter((c.num_computed_tokens for c in ordered), dtype=np.int64, count=n)
+        max_blocks = max(len(c.block_ids) for c in ordered)
+
+        ids = self._array("ids", total)
+        ids[:] = [t for c in ordered for t in c.new_token_ids]
+        cu = self._array("cu", n + 1)
+        cu[0] = 0
+        np.cumsum(lens, out=cu[1:])
+        context_lens = self._array("context_lens", n)
+        np.add(computed, lens, out=context_lens)
+        state_indices = self._array("state_indices", n)
+        state_indices[:] = [c.state_slot for c in ordered]
+        tables = self._array("block_tables", n * max_blocks).reshape(n, max_blocks)
+        tables.fill(0)
+        for row, c in enumerate(ordered):
+            tables[row, : len(c.block_ids)] = c.block_ids
+        seq_of_row = np.repeat(np.arange(n), lens)
+        positions = computed[seq_of_row] + np.arange(total) - cu[:-1][seq_of_row]
+        slot_mapping = self._array("slot_mapping", total)
+        np.add(tables[seq_of_row, positions // self.block_size] * self.block_size, positions % self.block_size,
+               out=slot_mapping)
+
+        num_decodes = sum(is_decode)
+        prefills = ordered[num_decodes:]
+        saving = any(c.checkpoints for c in prefills)
+        decode_slots = state_indices[:num_decodes].tolist()
+        consecutive = decode_slots and decode_slots == list(range(decode_slots[0], decode_slots[0] + num_decodes))
+        batch = ForwardBatch(
+            cu_seqlens=self._tensor("cu", n + 1),
+            cu_seqlens_host=tuple(cu.tolist()),
+            context_lens=self._tensor("context_lens", n),
+            num_decodes=num_decodes,
+            decode_slot_range=slice(decode_slots[0], decode_slots[0] + num_decodes) if consecutive else None,
+            state_indices=self._tensor("state_indices", n),
+            block_tables=self._tensor("block_tables", n * max_blocks).view(n, max_blocks),
+            slot_mapping=self._tensor("slot_mapping", total),
+            checkpoint_positions=tuple(tuple(p for p, _ in c.checkpoints) for c in prefills) if saving else None,
+            checkpoint_slots=tuple(tuple(s for _, s in c.checkpoints) for c in prefills) if saving else None,
+        )
+        return self._tensor("ids", total), batch, order
+
+    def _array(self, name: str, size: int) -> np.ndarray:
+        """The first `size` entries of a buffer, as a numpy view to fill."""
+        if size > len(self._arrays[name]):
+            self._grow(name, max(size, 2 * len(self._arrays[name])))
+        return self._arrays[name][:size]
+
+    def _tensor(self, name: str, size: int) -> torch.Tensor:
+        """The first `size` entries of a buffer as a tensor on the model's device (a view on a CPU)."""
+        return self._tensors[name][:size].to(self.device)
+
+    def _grow(self, name: str, size: int) -> None:
+        tensor = torch.zeros(size, dtype=torch.int64)
+        self._tensors[name], self._arrays[name] = tensor, tensor.numpy()

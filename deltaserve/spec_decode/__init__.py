@@ -1,0 +1,5 @@
+"""Speculative decoding: proposers of next tokens, verified by the target model in a multi-token step."""
+
+from deltaserve.spec_decode.proposer import Proposer
+
+__all__ = ["Proposer"]
