@@ -4,11 +4,12 @@ A grammar writes the allowed next tokens of its request into one row of a token 
 ceil(vocab_size / 32)]``, bit ``j`` of word ``w`` set = token ``32 * w + j`` allowed (the layout llguidance and
 xgrammar both write). The engine fills one row per constrained request that samples in a step; the sampler sets
 every disallowed logit to -inf (`deltaserve.ops.sampling.apply_token_bitmask`).
+
+The backend names and `make_backend` live in `factory.py`: this interface imports no implementation.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, ClassVar
@@ -18,8 +19,6 @@ from deltaserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the API process validates grammars without loading torch
     import torch
-
-BACKENDS: tuple[str, ...] = ("llguidance", "xgrammar")
 
 
 class Grammar(ABC):
@@ -117,24 +116,3 @@ def vocab_bytes(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[bytes], dic
     ]
     tokens += [b""] * (vocab_size - len(tokens))
     return tokens, special
-
-
-def check_backend(name: str) -> None:
-    """ValueError for an unknown backend name, or one whose library is not installed."""
-    if name not in BACKENDS:
-        raise ValueError(f"structured_output_backend={name!r} is not supported (supported: {', '.join(BACKENDS)})")
-    if importlib.util.find_spec(name) is None:
-        raise ValueError(f"structured_output_backend={name!r} needs the {name!r} package, which is not installed "
-                         f"(pip install {name}), or use the default 'llguidance'")
-
-
-def make_backend(name: str, tokenizer: Tokenizer, vocab_size: int | None = None) -> StructuredOutputBackend:
-    """The backend called `name` ("llguidance" or "xgrammar"), imported lazily. ValueError if unknown or missing."""
-    check_backend(name)
-    if name == "xgrammar":
-        from deltaserve.structured.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(tokenizer, vocab_size)
-    from deltaserve.structured.llguidance_backend import LLGuidanceBackend
-
-    return LLGuidanceBackend(tokenizer, vocab_size)

@@ -17,13 +17,8 @@ import torch
 
 from deltaserve.request import Request
 from deltaserve.sampling_params import StructuredOutput
-from deltaserve.structured.backend import (
-    Grammar,
-    StructuredOutputBackend,
-    allocate_bitmask,
-    check_backend,
-    make_backend,
-)
+from deltaserve.structured.backend import Grammar, StructuredOutputBackend, allocate_bitmask
+from deltaserve.structured.factory import check_backend, make_backend
 from deltaserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
