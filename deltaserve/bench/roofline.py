@@ -20,6 +20,7 @@ from torch import nn
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.layers.latent_moe import LatentMoE
 from deltaserve.layers.moe import MoE
+from deltaserve.models.protocol import Model
 
 # Achievable ceilings measured on one H200 (metrics-and-roofline.md §3): read-only HBM bandwidth and bf16 GEMM rate.
 KNOWN_CEILINGS: dict[str, tuple[float, float]] = {"H200": (4.26e12, 800e12)}
@@ -72,7 +73,7 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def model_bytes(model: nn.Module) -> ModelBytes:
+def model_bytes(model: Model) -> ModelBytes:
     """Split a loaded deltaserve model's tensors into the §4 categories."""
     embed_ids = _ids(getattr(model, "embed_tokens", None)) - _ids(getattr(model, "lm_head", None))  # tied: kept
     expert_ids: set[int] = set()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,7 @@ class K3DecoderLayer(nn.Module):
             self.mlp_res = AttnResWeights(d, dtype)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named = {
+        named: dict[str, torch.Tensor] = {
             "input_layernorm.weight": self.input_layernorm.weight,
             "post_attention_layernorm.weight": self.post_attention_layernorm.weight,
         }
@@ -106,15 +107,22 @@ class KimiK3ForConditionalGeneration(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
 
+    @property
+    def decoder_layers(self) -> Sequence[K3DecoderLayer]:
+        """`layers` with its element type (`nn.ModuleList` is typed as holding any module)."""
+        return cast("Sequence[K3DecoderLayer]", self.layers)
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every checkpoint tensor name (with the `language_model.` prefix) -> the tensor (or view) it loads into."""
-        named = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight}
+        named: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight,
+        }
         if self.config.attn_res_block_size is not None:
             output_res = self.output_attn_res.checkpoint_tensors("output_attn_res")
             named.update({f"model.{k}": v for k, v in output_res.items()})
         if not self.config.tie_word_embeddings:
             named["lm_head.weight"] = self.lm_head
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             named.update({f"model.layers.{i}.{k}": v for k, v in layer.checkpoint_tensors().items()})
         return {TEXT_PREFIX + k: v for k, v in named.items()}
 
@@ -134,11 +142,11 @@ class KimiK3ForConditionalGeneration(nn.Module):
         cfg = self.config
         h = F.embedding(input_ids, self.embed_tokens)
         if cfg.attn_res_block_size is None:
-            for layer, cache in zip(self.layers, caches, strict=True):
+            for layer, cache in zip(self.decoder_layers, caches, strict=True):
                 h = layer(h, batch, cache)
         else:
             res = BlockAttnRes(h, cfg.attn_res_block_size, cfg.num_hidden_layers, cfg.rms_norm_eps)
-            for layer, cache in zip(self.layers, caches, strict=True):
+            for layer, cache in zip(self.decoder_layers, caches, strict=True):
                 layer.forward_attn_res(res, batch, cache)
             h = res.mix(self.output_attn_res)
         return rms_norm(h, self.norm.weight, cfg.rms_norm_eps)

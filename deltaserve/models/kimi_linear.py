@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(d, config.intermediate_size, dtype)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named = {
+        named: dict[str, torch.Tensor] = {
             "input_layernorm.weight": self.input_layernorm.weight,
             "post_attention_layernorm.weight": self.post_attention_layernorm.weight,
         }
@@ -86,12 +87,19 @@ class KimiLinearForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
 
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers` with its element type (`nn.ModuleList` is typed as holding any module)."""
+        return cast("Sequence[DecoderLayer]", self.layers)
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every checkpoint tensor name -> the tensor (or view) it loads into."""
-        named = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight}
+        named: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight,
+        }
         if not self.config.tie_word_embeddings:
             named["lm_head.weight"] = self.lm_head
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             named.update({f"model.layers.{i}.{k}": v for k, v in layer.checkpoint_tensors().items()})
         return named
 
@@ -108,7 +116,7 @@ class KimiLinearForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
         h = F.embedding(input_ids, self.embed_tokens)
-        for layer, cache in zip(self.layers, caches, strict=True):
+        for layer, cache in zip(self.decoder_layers, caches, strict=True):
             h = layer(h, batch, cache)
         return rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
 

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from deltaserve.config import ModelConfig
+from deltaserve.models.protocol import Model
 from deltaserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -57,9 +58,9 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     logger.info("loaded %d shard(s) in %.1f s", len(shards), time.perf_counter() - start)
 
 
-def load_weights(model: torch.nn.Module, path: Path) -> None:
+def load_weights(model: Model, path: Path) -> None:
     """Copy every checkpoint tensor into the model; each target must be filled exactly once."""
-    targets: dict[str, torch.Tensor] = model.checkpoint_tensors()
+    targets = model.checkpoint_tensors()
     seen: set[str] = set()
     for raw_name, tensor in iter_checkpoint(path):
         name = model.canonical_name(raw_name)  # None: a tensor the model skips (e.g. K3's vision tower)
@@ -86,7 +87,7 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
         raise WeightLoadError(f"checkpoint {path} is missing tensor(s) {missing[:10]}{more}")
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Model:
     """Config -> model class -> weights, in `dtype` (gate/router/decay parameters stay fp32)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)

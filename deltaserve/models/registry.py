@@ -1,25 +1,37 @@
-"""Top-level `architectures` name -> model class, imported lazily."""
+"""Top-level `architectures` name -> model class, imported lazily (only the architecture being loaded)."""
 
 from __future__ import annotations
 
-import importlib
-
-from torch import nn
+from collections.abc import Callable
 
 from deltaserve.config import ConfigError, ModelConfig
+from deltaserve.models.protocol import ModelClass
 
-_MODELS: dict[str, tuple[str, str]] = {
-    "KimiLinearForCausalLM": ("deltaserve.models.kimi_linear", "KimiLinearForCausalLM"),
-    "KimiK3ForConditionalGeneration": ("deltaserve.models.kimi_k3", "KimiK3ForConditionalGeneration"),
+
+def _kimi_linear() -> ModelClass:
+    from deltaserve.models.kimi_linear import KimiLinearForCausalLM
+
+    return KimiLinearForCausalLM
+
+
+def _kimi_k3() -> ModelClass:
+    from deltaserve.models.kimi_k3 import KimiK3ForConditionalGeneration
+
+    return KimiK3ForConditionalGeneration
+
+
+_MODELS: dict[str, Callable[[], ModelClass]] = {
+    "KimiLinearForCausalLM": _kimi_linear,
+    "KimiK3ForConditionalGeneration": _kimi_k3,
 }
 
 
-def model_class(config: ModelConfig) -> type[nn.Module]:
+def model_class(config: ModelConfig) -> ModelClass:
     """The class that implements `config.architecture`."""
     try:
-        module_name, class_name = _MODELS[config.architecture]
+        load = _MODELS[config.architecture]
     except KeyError:
         raise ConfigError(
             f"architecture {config.architecture!r} has no model class (supported: {sorted(_MODELS)})"
         ) from None
-    return getattr(importlib.import_module(module_name), class_name)
+    return load()

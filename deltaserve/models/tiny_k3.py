@@ -1,5 +1,6 @@
 """Tiny random Kimi K3 checkpoints (`deltaserve make-tiny --arch kimi_k3`): nested config, `language_model.`
-tensor names, MXFP4 routed experts, K3's XTML special tokens. Weights are drawn as for Kimi Linear (`tiny.py`)."""
+tensor names, MXFP4 routed experts, K3's XTML special tokens. Weights are drawn as for Kimi Linear
+(`tiny_checkpoint.py`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from deltaserve.models.quantize import (
     quantize_expert_tensors,
     to_gpt_oss_layout,
 )
-from deltaserve.models.tiny import TinySpec, _save, random_weights, tiny_config_dict, write_metadata
+from deltaserve.models.tiny_checkpoint import random_weights, save_weights, tiny_config_dict, write_metadata
+from deltaserve.models.tiny_spec import TinySpec
 from deltaserve.text.tiny_tokenizer import write_tiny_tokenizer
 
 EXPERT_FORMATS = ("compressed-tensors", "gpt-oss", "dense")
@@ -75,6 +77,6 @@ def write_tiny_k3_checkpoint(out_dir: str | Path, spec: TinySpec) -> Path:
         weights, _ = quantize_expert_tensors(weights)
     if spec.expert_format == "gpt-oss":
         weights = to_gpt_oss_layout(weights)
-    _save(weights, out, spec.shard_bytes)
+    save_weights(weights, out, spec.shard_bytes)
     write_metadata(out, raw, special_ids, spec)  # stops on <|end_of_msg|> (the config eos) and [EOS]
     return out
