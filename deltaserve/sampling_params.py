@@ -123,7 +123,7 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         if not isinstance(bias, (list, tuple, type({}.items()))):
             raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r:.60}")
-        pairs = []
+        pairs: list[tuple[int, float]] = []
         for pair in bias:
             token, value = pair if isinstance(pair, (list, tuple)) and len(pair) == 2 else (None, None)
             if not _is_token_id(token):

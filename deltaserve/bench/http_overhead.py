@@ -88,6 +88,8 @@ async def _stream_one(client, url: str, prompt: list[int], args: HttpBenchArgs, 
         async for line in resp.aiter_lines():
             if ttft is None and line.startswith("data: {"):
                 ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError(f"the stream from {url}/v1/completions ended without a token")
     return ttft
 
 

@@ -17,9 +17,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from deltaserve.models.protocol import Model
     from deltaserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
     return [p[::-1] for p in prompts[:2]]
 
 
-def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]]) -> dict[str, float]:
+def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]]) -> dict[str, Any]:
     from deltaserve.entrypoints.llm import LLM
     from deltaserve.sampling_params import SamplingParams
 
@@ -97,14 +98,15 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
     total = llm.engine.stats.total_seconds - stats_before[0]
     forward = llm.engine.stats.forward_seconds - stats_before[1]
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed,
-              "engine_overhead_share": 1 - forward / total, "frontend_share": 1 - total / elapsed}
+    result: dict[str, Any] = {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed,
+                              "engine_overhead_share": 1 - forward / total, "frontend_share": 1 - total / elapsed}
     if args.roofline:
         result["roofline"] = decode_roofline(args, llm.engine.runner.model, decode_steps)
     return result
 
 
-def decode_roofline(args: OfflineBenchArgs, model, decode_steps: list[tuple[list[int], float]]) -> dict:
+def decode_roofline(args: OfflineBenchArgs, model: Model,
+                    decode_steps: list[tuple[list[int], float]]) -> dict[str, Any]:
     """The §4 roofline share of the measured pure decode steps, with the ceilings and bytes it used."""
     from deltaserve.bench.roofline import measure_ceilings, model_bytes, roofline_share
 
@@ -127,7 +129,8 @@ def run_transformers(args: OfflineBenchArgs, model: str, prompts: list[list[int]
     except ImportError as exc:  # a test-only dependency
         raise SystemExit("the baseline needs transformers: pip install 'deltaserve[test]'") from exc
     hf = transformers.KimiLinearForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype))
-    hf = hf.to(args.device).eval()
+    # transformers wraps `to` in functools.wraps(nn.Module.to), so mypy reads its first argument as `self`.
+    hf = hf.to(args.device).eval()  # type: ignore[arg-type]
     hf.generation_config.eos_token_id = None
     ids = torch.tensor(prompts, device=args.device)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
@@ -146,7 +149,7 @@ def run_transformers(args: OfflineBenchArgs, model: str, prompts: list[list[int]
     return {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed}
 
 
-def run(args: OfflineBenchArgs) -> dict:
+def run(args: OfflineBenchArgs) -> dict[str, Any]:
     from deltaserve.config import ModelConfig
     from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
 
@@ -157,7 +160,7 @@ def run(args: OfflineBenchArgs) -> dict:
           f"{args.dtype}, checkpoint {model}", flush=True)
     print("running deltaserve ...", flush=True)
     ours = run_deltaserve(args, model, prompts)
-    result = {"config": asdict(args), "deltaserve": ours}
+    result: dict[str, Any] = {"config": asdict(args), "deltaserve": ours}
     print(f"deltaserve:   {ours['output_throughput']:8.1f} output tok/s ({ours['seconds']:.2f} s); "
           f"{ours['engine_overhead_share']:.1%} of engine step time outside the model forward, "
           f"{ours['frontend_share']:.1%} of wall time in the frontend", flush=True)

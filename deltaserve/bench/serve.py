@@ -12,6 +12,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,7 +92,14 @@ def resolve_model(cfg: ServeBenchConfig, models: list[dict[str, Any]]) -> tuple[
     """(name sent in requests, the server's /v1/models entry of it): --served-model-name, else --model if served,
     else the server's first model."""
     ids = [m.get("id") for m in models]
-    name = cfg.served_model_name or (cfg.model if cfg.model in ids else ids[0])
+    if cfg.served_model_name:
+        name = cfg.served_model_name
+    elif cfg.model is not None and cfg.model in ids:
+        name = cfg.model
+    elif isinstance(ids[0], str):
+        name = ids[0]
+    else:
+        raise ValueError(f"the server's first model has no id: {models[0]!r:.200}")
     return name, next((m for m in models if m.get("id") == name), models[0])
 
 
@@ -185,7 +193,7 @@ class Runner:
             async with sem:
                 return await self.session(i, s, due, progress)
 
-        items = data.requests or data.sessions
+        items: Sequence[SampleRequest | AgenticSession] = data.requests or data.sessions
         tasks = []
         for i, (item, delay) in enumerate(zip(items, delays, strict=True)):
             due = start + delay
@@ -218,13 +226,11 @@ class Runner:
 def send_delays(cfg: ServeBenchConfig, data: Dataset, seed: int) -> list[float]:
     items = data.requests or data.sessions
     if cfg.uses_timestamps:
-        if not data.requests or any(r.arrival_s is None for r in data.requests):
+        arrivals = [r.arrival_s for r in data.requests if r.arrival_s is not None]
+        if not data.requests or len(arrivals) != len(data.requests):
             raise ValueError(f"--self-timed needs a dataset with timestamps (mooncake), not {cfg.dataset_name}")
-        return [r.arrival_s for r in data.requests]
-    ramp_up = None
-    if cfg.ramp_up_strategy is not None:
-        ramp_up = (cfg.ramp_up_strategy, float(cfg.ramp_up_start_rps), float(cfg.ramp_up_end_rps))
-    return arrival_delays(len(items), cfg.request_rate, cfg.burstiness, seed, ramp_up)
+        return arrivals
+    return arrival_delays(len(items), cfg.request_rate, cfg.burstiness, seed, cfg.ramp_up)
 
 
 async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:

@@ -239,6 +239,14 @@ class ServeBenchConfig:
         return self.dataset_name in CHAT_DATASETS
 
     @property
+    def ramp_up(self) -> tuple[str, float, float] | None:
+        """(strategy, start, end requests/s) of the ramp-up, or None for a fixed --request-rate."""
+        strategy, start, end = self.ramp_up_strategy, self.ramp_up_start_rps, self.ramp_up_end_rps
+        if strategy is None or start is None or end is None:  # validated: all three or none
+            return None
+        return strategy, float(start), float(end)
+
+    @property
     def rate_label(self) -> str:
         """The arrival rate in result file names, as vLLM writes it: `10.0qps`, `infqps`, or
         `ramp-up-linear-1qps-10qps`."""

@@ -172,7 +172,7 @@ def run_sweep(base: ServeBenchConfig, sweep: SweepConfig) -> dict[str, Any]:
 
 def _main(ns: argparse.Namespace) -> int:
     serve.quiet_http_logs()
-    fixed = {"num_prompts": 1, "max_concurrency": None, "result_filename": None}  # set per point
+    fixed: dict[str, Any] = {"num_prompts": 1, "max_concurrency": None, "result_filename": None}  # set per point
     base = ServeBenchConfig(**{f.name: fixed[f.name] if f.name in fixed else getattr(ns, f.name)
                                for f in dataclasses.fields(ServeBenchConfig)})
     summary = run_sweep(base, config_from_args(SweepConfig, ns))

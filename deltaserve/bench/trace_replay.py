@@ -211,6 +211,12 @@ class _Timing:
     finished: float | None = None
     cached_tokens: int = 0
 
+    def latencies_ms(self) -> tuple[float, float]:
+        """(TTFT, end-to-end latency) in ms of a finished request."""
+        if self.first_token is None or self.finished is None:
+            raise ValueError("the request has not finished")
+        return (self.first_token - self.arrival) * 1000, (self.finished - self.arrival) * 1000
+
 
 def replay(llm, requests: list[TraceRequest], prompts: list[list[int]], label: str = "") -> dict[str, Any]:
     """Feed the requests at their arrival times and step the engine until all finish.
@@ -253,14 +259,15 @@ def replay(llm, requests: list[TraceRequest], prompts: list[list[int]], label: s
 def _summarize(llm, requests: list[TraceRequest], timings: list[_Timing], seconds: float) -> dict[str, Any]:
     import numpy as np
 
-    ttft_ms = [(t.first_token - t.arrival) * 1000 for t in timings]
+    latencies = [t.latencies_ms() for t in timings]
+    ttft_ms = [ttft for ttft, _ in latencies]
     prompt_tokens = sum(r.input_len for r in requests)
     hit = sum(t.cached_tokens for t in timings)
     return {
         "seconds": seconds, "prompt_tokens": prompt_tokens, "hit_tokens": hit, "hit_rate": hit / prompt_tokens,
         "ttft_p50_ms": float(np.percentile(ttft_ms, 50)), "ttft_p90_ms": float(np.percentile(ttft_ms, 90)),
         "mean_ttft_ms": float(np.mean(ttft_ms)),
-        "mean_e2el_ms": float(np.mean([(t.finished - t.arrival) * 1000 for t in timings])),
+        "mean_e2el_ms": float(np.mean([e2el for _, e2el in latencies])),
         "prefix_stats": prefix_stats(llm), "ttfts_ms": ttft_ms, "cached_tokens": [t.cached_tokens for t in timings],
     }
 

@@ -9,7 +9,10 @@ import os
 import types
 import typing
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 class ConfigError(ValueError):
@@ -72,13 +75,13 @@ class ConfigFields:
         return value
 
 
-def check_field_types(config: object) -> None:
+def check_field_types(config: DataclassInstance) -> None:
     """ValueError naming the field whose value is not of its annotated type (``block_size="16"``, ``seed=1.5``),
     instead of a comparison or torch error later. Values of a compatible kind are normalised in place: numpy and
     other integers to int (bool is not an int here), reals to float where a float is expected (an int is one),
     and path-likes to str. Fields typed otherwise (generics, Literal, nested configs) are checked by class only."""
     hints = typing.get_type_hints(type(config))
-    for f in fields(config):  # type: ignore[arg-type]
+    for f in fields(config):
         hint, value = hints[f.name], getattr(config, f.name)
         members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
         allowed = tuple(typing.get_origin(t) or t for t in members)

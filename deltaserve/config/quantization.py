@@ -46,8 +46,8 @@ def parse_quantization(
             f"format {MXFP4_FORMAT!r}, 'mxfp4' for the gpt-oss layout)"
         )
     groups = q.get("config_groups") or {}
-    formats = {g.get("format") for g in groups.values() if isinstance(g, dict)} | {q.get("format")}
-    formats.discard(None)
+    found = [g.get("format") for g in groups.values() if isinstance(g, dict)] + [q.get("format")]
+    formats = {f for f in found if f is not None}
     if formats != {MXFP4_FORMAT}:
         raise ConfigError(
             f"config field {name}.format={sorted(formats) if len(formats) != 1 else formats.pop()!r} is not "

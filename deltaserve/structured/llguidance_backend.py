@@ -26,8 +26,9 @@ from deltaserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the API process validates grammars without loading torch
     import torch
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only, absent at run time
 
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """Fixed-whitespace JSON with Python's `json.dumps` separators (", " and ": ", no other whitespace): a weak model
 cannot loop on whitespace. A schema may override it with an "x-guidance" object, e.g.
 {"x-guidance": {"whitespace_flexible": true}}."""
@@ -117,12 +118,13 @@ class LLGuidanceBackend(StructuredOutputBackend):
             raise ValueError(_message(structured, matcher.get_error().splitlines()[0]))
 
     def fill_bitmask(self, grammars: Sequence[Grammar], bitmask: torch.Tensor) -> None:
-        if all(isinstance(g, LLGuidanceGrammar) for g in grammars):
+        own = [g for g in grammars if isinstance(g, LLGuidanceGrammar)]
+        if len(own) == len(grammars):
             _check_bitmask(bitmask)
-            rows = [(g.matcher, row) for row, g in enumerate(grammars)]  # type: ignore[attr-defined]
+            rows = [(g.matcher, row) for row, g in enumerate(own)]
             self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
-            for g in grammars:
-                g.report_error()  # type: ignore[attr-defined]
+            for g in own:
+                g.report_error()
         else:
             super().fill_bitmask(grammars, bitmask)
 

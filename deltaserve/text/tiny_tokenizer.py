@@ -205,9 +205,10 @@ def write_tiny_tokenizer(
     num_base = vocab_size - len(specials)
     tok = _train(num_base, corpus)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    ids = {t: tok.token_to_id(t) for t in specials}
-    if list(ids.values()) != list(range(num_base, vocab_size)):  # invariant of add_special_tokens on a fresh vocab
-        raise RuntimeError(f"special tokens landed at {ids}, expected ids {num_base}..{vocab_size - 1}")
+    ids = {t: num_base + n for n, t in enumerate(specials)}  # where add_special_tokens puts them on a fresh vocab
+    landed = {t: tok.token_to_id(t) for t in specials}
+    if landed != ids:
+        raise RuntimeError(f"special tokens landed at {landed}, expected ids {num_base}..{vocab_size - 1}")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

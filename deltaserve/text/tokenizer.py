@@ -107,7 +107,10 @@ class _TokenizersBackend:
         out = bytearray()
         for i in ids:
             added = self._added.get(i)
-            out += added if added is not None else bytes(self._unbyte[c] for c in self._tok.id_to_token(i))
+            if added is not None:
+                out += added
+            elif (token := self._tok.id_to_token(i)) is not None:  # an id missing from the vocab: nothing, as decode
+                out += bytes(self._unbyte[c] for c in token)
         return bytes(out)
 
     def token_to_id(self, token: str) -> int | None:

@@ -15,8 +15,10 @@ from typing import Any
 
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings (a string literal right after a field) of a dataclass, by field name."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    if not isinstance(node, ast.ClassDef):  # getsource of a class is its class statement (decorators included)
+        raise TypeError(f"{cls!r} is not a class defined in Python source")
+    body = node.body
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
@@ -25,8 +27,10 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, aliases: dict[str, str] | None = None) -> None:
-    """One `--field-name` option per field of `cls` (bools become --flag / --no-flag), defaults from the class."""
+def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                       aliases: dict[str, str] | None = None) -> None:
+    """One `--field-name` option per field of `cls` (bools become --flag / --no-flag), defaults from the class, on
+    a parser or one of its argument groups."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + (aliases or {}).get(f.name, f.name.replace("_", "-"))
