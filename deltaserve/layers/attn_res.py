@@ -59,7 +59,11 @@ class BlockAttnRes:
 
     def layer_input(self, layer_id: int, weights: AttnResWeights) -> torch.Tensor:
         """The input of layer ``layer_id``'s mixer (before its input norm); starts a new block at a boundary."""
-        h = self.partial if self.num_blocks == 0 else self.mix(weights)
+        if self.num_blocks == 0:
+            assert self.partial is not None, "partial is only cleared when a block completes"
+            h = self.partial
+        else:
+            h = self.mix(weights)
         if layer_id % self.block_size == 0:
             if self.partial is None or self.num_blocks == self.blocks.shape[0]:
                 raise RuntimeError(f"layer {layer_id} starts a block out of order")

@@ -51,7 +51,9 @@ class KDAttention(nn.Module):
         self.o_proj = Linear(p, hidden_size, dtype)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named = {name: t for name, t in self.named_parameters() if not name.startswith("in_proj.")}
+        named: dict[str, torch.Tensor] = {
+            name: t for name, t in self.named_parameters() if not name.startswith("in_proj.")
+        }
         for conv in ("q_conv1d", "k_conv1d", "v_conv1d"):
             named[f"{conv}.weight"] = named.pop(conv)
         named.update(self.in_proj.checkpoint_tensors())

@@ -14,7 +14,7 @@ from deltaserve.layers.linear import Linear, NormWeight
 from deltaserve.layers.moe import GatedMLP, gated_activation, route_tokens
 from deltaserve.layers.mxfp4_linear import MXFP4Linear
 from deltaserve.ops.moe import moe_experts
-from deltaserve.ops.mxfp4 import BLOCK_SIZE, mxfp4_linear
+from deltaserve.ops.mxfp4 import BLOCK_SIZE, MXFP4Tensor, mxfp4_linear
 from deltaserve.ops.norm import rms_norm
 
 
@@ -36,14 +36,15 @@ class LatentMoE(nn.Module):
             raise ValueError("LatentMoE needs MoEConfig.latent_size (routed_expert_hidden_size)")
         e, i, lat = cfg.num_experts, cfg.intermediate_size, cfg.latent_size
         self.cfg, self.eps, self.quantization = cfg, rms_norm_eps, quantization
+        self.latent_size = lat  # cfg.latent_size, checked not None above
         # Router weight and selection bias stay fp32 (model-spec §5).
         self.gate_weight = nn.Parameter(torch.empty(e, hidden_size, dtype=torch.float32), requires_grad=False)
         self.correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
         self.routed_expert_down_proj = Linear(hidden_size, lat, dtype)
         self.routed_expert_up_proj = Linear(lat, hidden_size, dtype)
         self.routed_expert_norm = NormWeight(lat, dtype) if cfg.latent_use_norm else None
-        self.w13: nn.Module | nn.Parameter
-        self.w2: nn.Module | nn.Parameter
+        self.w13: MXFP4Linear | nn.Parameter
+        self.w2: MXFP4Linear | nn.Parameter
         if quantization is None:
             self.w13 = nn.Parameter(torch.empty(e, 2 * i, lat, dtype=dtype), requires_grad=False)  # interleaved
             self.w2 = nn.Parameter(torch.empty(e, lat, i, dtype=dtype), requires_grad=False)
@@ -59,7 +60,7 @@ class LatentMoE(nn.Module):
         )
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named = {
+        named: dict[str, torch.Tensor] = {
             "gate.weight": self.gate_weight,
             "gate.e_score_correction_bias": self.correction_bias,
             "routed_expert_down_proj.weight": self.routed_expert_down_proj.weight,
@@ -72,25 +73,39 @@ class LatentMoE(nn.Module):
             named.update({f"shared_experts.{k}": v for k, v in self.shared_experts.checkpoint_tensors().items()})
         return named
 
+    def _dense_experts(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """``w13 [E, 2I, latent]`` (interleaved), ``w2 [E, latent, I]``; only without quantization."""
+        w13, w2 = self.w13, self.w2
+        assert isinstance(w13, nn.Parameter) and isinstance(w2, nn.Parameter), "routed experts are MXFP4"
+        return w13, w2
+
+    def _mxfp4_experts(self) -> tuple[MXFP4Linear, MXFP4Linear]:
+        """The stacked MXFP4 holders of w13 and w2; only with quantization."""
+        w13, w2 = self.w13, self.w2
+        assert isinstance(w13, MXFP4Linear) and isinstance(w2, MXFP4Linear), "routed experts are dense"
+        return w13, w2
+
     def _expert_tensors(self) -> dict[str, torch.Tensor]:
         """Checkpoint names of the routed experts in the configured layout (model-spec §9.2, §10.2, §10.3)."""
-        layout = None if self.quantization is None else self.quantization.layout
-        if layout == "gpt-oss":  # stacked, gate/up rows interleaved, blocks of 16 bytes
-            e, i, lat = self.cfg.num_experts, self.cfg.intermediate_size, self.cfg.latent_size
-            return {
-                "experts.gate_up_proj_blocks": self.w13.weight_packed.view(e, 2 * i, lat // BLOCK_SIZE, 16),
-                "experts.gate_up_proj_scales": self.w13.weight_scale,
-                "experts.down_proj_blocks": self.w2.weight_packed.view(e, lat, i // BLOCK_SIZE, 16),
-                "experts.down_proj_scales": self.w2.weight_scale,
-            }
-        if layout is None:
-            pairs = [("weight", self.w13, self.w2)]
-        elif layout == "compressed-tensors":
-            pairs = [(name, getattr(self.w13, f"weight_{kind}"), getattr(self.w2, f"weight_{kind}"))
-                     for name, kind in (("weight_packed", "packed"), ("weight_scale", "scale"))]
+        pairs: list[tuple[str, torch.Tensor, torch.Tensor]]
+        if self.quantization is None:
+            pairs = [("weight", *self._dense_experts())]
         else:
-            raise ValueError(f"unknown MXFP4 layout {layout!r}")
-        named = {}
+            layout = self.quantization.layout
+            q13, q2 = self._mxfp4_experts()
+            if layout == "gpt-oss":  # stacked, gate/up rows interleaved, blocks of 16 bytes
+                e, i, lat = self.cfg.num_experts, self.cfg.intermediate_size, self.latent_size
+                return {
+                    "experts.gate_up_proj_blocks": q13.weight_packed.view(e, 2 * i, lat // BLOCK_SIZE, 16),
+                    "experts.gate_up_proj_scales": q13.weight_scale,
+                    "experts.down_proj_blocks": q2.weight_packed.view(e, lat, i // BLOCK_SIZE, 16),
+                    "experts.down_proj_scales": q2.weight_scale,
+                }
+            if layout != "compressed-tensors":
+                raise ValueError(f"unknown MXFP4 layout {layout!r}")
+            pairs = [("weight_packed", q13.weight_packed, q2.weight_packed),
+                     ("weight_scale", q13.weight_scale, q2.weight_scale)]
+        named: dict[str, torch.Tensor] = {}
         for suffix, w13, w2 in pairs:
             for e in range(self.cfg.num_experts):
                 named[f"experts.{e}.w1.{suffix}"] = w13[e, 0::2]
@@ -102,7 +117,13 @@ class LatentMoE(nn.Module):
         """x: ``[T, d]`` (after post_attention_layernorm) -> ``[T, d]``."""
         weights, ids = route_tokens(x, self.gate_weight, self.correction_bias, self.cfg)
         z = self.routed_expert_down_proj(x)  # [T, latent]
-        w13, w2 = (self.w13, self.w2) if self.quantization is None else (self.w13.weight, self.w2.weight)
+        w13: torch.Tensor | MXFP4Tensor
+        w2: torch.Tensor | MXFP4Tensor
+        if self.quantization is None:
+            w13, w2 = self._dense_experts()
+        else:
+            q13, q2 = self._mxfp4_experts()
+            w13, w2 = q13.weight, q2.weight
         routed = moe_experts(z, w13, w2, weights, ids, act=self._act, linear=self._linear, fp32_combine=True)
         if self.routed_expert_norm is not None:
             routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)

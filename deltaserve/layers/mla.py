@@ -37,7 +37,9 @@ class MLAttention(nn.Module):
         self.scale = cfg.qk_head_dim**-0.5
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named = {name: t for name, t in self.named_parameters() if not name.startswith("in_proj.")}
+        named: dict[str, torch.Tensor] = {
+            name: t for name, t in self.named_parameters() if not name.startswith("in_proj.")
+        }
         named.update(self.in_proj.checkpoint_tensors())
         return named
 

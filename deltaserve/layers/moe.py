@@ -75,7 +75,9 @@ class MoE(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         i = self.cfg.intermediate_size
-        named = {"gate.weight": self.gate_weight, "gate.e_score_correction_bias": self.correction_bias}
+        named: dict[str, torch.Tensor] = {
+            "gate.weight": self.gate_weight, "gate.e_score_correction_bias": self.correction_bias,
+        }
         for e in range(self.cfg.num_experts):
             named[f"experts.{e}.w1.weight"] = self.w13[e, :i]
             named[f"experts.{e}.w3.weight"] = self.w13[e, i:]
