@@ -56,10 +56,6 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed next tokens (speculative decoding), set before `schedule()` and cleared by the step that verifies
     them; the scheduler may verify fewer (budget, length limits)."""
-    grammar: object | None = None
-    """The `deltaserve.structured.Grammar` of a request with `params.structured`: set by the engine's
-    StructuredOutputManager before the request reaches the scheduler, advanced by the engine once per sampled
-    token (never on recompute), dropped when the request finishes. None for unconstrained requests."""
 
     @property
     def num_tokens(self) -> int:

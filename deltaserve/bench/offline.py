@@ -101,7 +101,12 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
     result: dict[str, Any] = {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed,
                               "engine_overhead_share": 1 - forward / total, "frontend_share": 1 - total / elapsed}
     if args.roofline:
-        result["roofline"] = decode_roofline(args, llm.engine.runner.model, decode_steps)
+        from deltaserve.executor.uniproc import UniprocExecutor
+
+        executor = llm.engine.executor
+        if not isinstance(executor, UniprocExecutor):
+            raise ValueError("--roofline reads the model's bytes: it needs the in-process executor")
+        result["roofline"] = decode_roofline(args, executor.worker.model, decode_steps)
     return result
 
 

@@ -165,7 +165,7 @@ class CacheManager:
             return False
         for b in reused:
             self.blocks.touch(b)
-        slot = self.slots.allocate(RUNNING)
+        slot = self.slots.take(RUNNING)
         held = self._held[request_id] = _Holding(slot=slot, blocks=list(hit.blocks), num_registered=len(hit.blocks))
         held.blocks.extend(self.blocks.allocate(need) or [])
         if hit.partial_block is not None:
@@ -203,7 +203,7 @@ class CacheManager:
         held = self._held[request_id]
         if held.scratch or self.slots.num_free_of(SCRATCH) < num_proposed:
             return None
-        held.scratch = [self.slots.allocate(SCRATCH) for _ in range(num_proposed)]  # type: ignore[misc]
+        held.scratch = [self.slots.take(SCRATCH) for _ in range(num_proposed)]
         return held.scratch
 
     def commit_proposed(self, request_id: str, num_accepted: int) -> None:

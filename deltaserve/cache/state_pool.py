@@ -47,6 +47,12 @@ class StatePool:
         """A free slot id of `kind`, or None at that kind's cap. The runner zeroes or overwrites it before use."""
         if self._count[kind] >= self._cap[kind]:
             return None
+        return self.take(kind)
+
+    def take(self, kind: str) -> int:
+        """A free slot id of `kind`, which the caller checked is below its cap (`num_free_of`)."""
+        if self._count[kind] >= self._cap[kind]:
+            raise RuntimeError(f"no free {kind} state slot")
         slot = self._pop(self._low, 1) if kind == RUNNING else self._pop(self._high, -1)
         self._free.discard(slot)
         self._kind[slot] = kind

@@ -171,8 +171,8 @@ class EngineProc:
 
     def handle_inputs(self) -> bool:
         """Apply every input that has arrived, without waiting; False on a shutdown request."""
-        while self.inputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a recv that raises zmq.Again
-            raw = self.inputs.recv(zmq.NOBLOCK)
+        while int(self.inputs.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # cheaper than a recv raising zmq.Again
+            raw: bytes = self.inputs.recv(zmq.NOBLOCK)
             try:
                 msg = self.decoder.decode(raw)
             except msgspec.DecodeError as e:  # ValidationError too (e.g. invalid SamplingParams)

@@ -75,7 +75,8 @@ class EngineCore:
             config.structured_output_backend, lambda: Tokenizer.from_pretrained(config.model),
             self.model_config.vocab_size,
         )
-        self.hooks: list[StepHook] = [GrammarHook(self.scheduler, self.structured)]
+        self.grammar_hook = GrammarHook(self.scheduler, self.structured)
+        self.hooks: list[StepHook] = [self.grammar_hook]
         if proposer is not None:
             self.hooks.append(ProposerHook(self.scheduler, proposer))
         self._arrivals = itertools.count()
@@ -91,9 +92,8 @@ class EngineCore:
         per_slot = sum(s.bytes_per_slot for s in info.cache_specs if isinstance(s, StateCacheSpec))
         num_ckpt = 0
         if cc.enable_prefix_caching and per_slot:
-            num_ckpt = cc.num_checkpoint_slots
-            if num_ckpt is None:
-                num_ckpt = parse_memory(cc.checkpoint_memory, budget, "checkpoint_memory") // per_slot
+            num_ckpt = cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else (
+                parse_memory(cc.checkpoint_memory, budget, "checkpoint_memory") // per_slot)
             logger.info("prefix cache: %d state checkpoint slots (%.1f MiB)", num_ckpt, num_ckpt * per_slot / 2**20)
         # Speculative steps keep the state after each proposed token in a scratch slot: k per running sequence.
         max_num_seqs = self.config.scheduler.max_num_seqs
@@ -165,10 +165,10 @@ class EngineCore:
 
     def finish_request(self, request_id: str, reason: FinishReason) -> None:
         """End a request early with `reason` (a stop string found by the detokenizer); frees its grammar too."""
-        request = self.structured.cancel(request_id) or self.scheduler.finish_request(request_id, reason)
+        if self.structured.cancel(request_id) is None:
+            self.scheduler.finish_request(request_id, reason)
         self._prompt_logprobs.pop(request_id, None)
-        if request is not None:
-            request.grammar = None
+        self.grammar_hook.forget(request_id)
 
     def fail_unfinished(self, error: str) -> list[EngineCoreOutput]:
         """After `step` raised: end every request the step held or the scheduler holds with `error` (one output

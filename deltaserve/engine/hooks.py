@@ -17,6 +17,7 @@ from deltaserve.request import FinishReason
 from deltaserve.scheduler.output import SchedulerOutput
 from deltaserve.scheduler.scheduler import Scheduler, StepEvent
 from deltaserve.spec_decode.proposer import Proposer
+from deltaserve.structured.backend import Grammar
 from deltaserve.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -44,24 +45,30 @@ class GrammarHook:
 
     def __init__(self, scheduler: Scheduler, structured: StructuredOutputManager) -> None:
         self.scheduler, self.structured = scheduler, structured
+        self.grammars: dict[str, Grammar] = {}
+        """The grammar of every constrained request in the scheduler, by request id."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished or aborted request's grammar (unknown ids are ignored)."""
+        self.grammars.pop(request_id, None)
 
     def before_schedule(self) -> list[EngineCoreOutput]:
         """Queue the requests whose grammar is ready; finish those whose compile failed, one output each."""
         if not self.structured.num_pending:
             return []
         compiled, failed = self.structured.take_finished()
-        for request in compiled:
+        for request, grammar in compiled:
+            self.grammars[request.request_id] = grammar
             self.scheduler.add_request(request)
         return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], logprobs=[],
                                  finish_reason=FinishReason.ERROR, error=message) for r, message in failed]
 
     def after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
         """Attach the token bitmask of every constrained request that samples this step (none: `out` unchanged)."""
-        requests = self.scheduler.requests
-        ids = [c.request_id for c in out.chunks if c.sample and requests[c.request_id].grammar is not None]
+        ids = [c.request_id for c in out.chunks if c.sample and c.request_id in self.grammars]
         if not ids:
             return out
-        bitmask = self.structured.bitmask([requests[rid].grammar for rid in ids])
+        bitmask = self.structured.bitmask([self.grammars[rid] for rid in ids])
         return replace(out, structured_request_ids=ids, grammar_bitmask=bitmask)
 
     def after_update(self, events: list[StepEvent]) -> dict[str, str]:
@@ -69,7 +76,8 @@ class GrammarHook:
         error; a finished request's grammar is dropped."""
         rejected: dict[str, str] = {}
         for e in events:
-            request, grammar = e.request, e.request.grammar
+            request = e.request
+            grammar = self.grammars.get(request.request_id)
             if grammar is None:
                 continue
             for token in e.tokens if e.finish_reason is None else e.tokens[:-1]:
@@ -79,7 +87,7 @@ class GrammarHook:
                     self.scheduler.finish_request(request.request_id, FinishReason.ERROR)
                     break
             if request.is_finished:
-                request.grammar = None
+                self.forget(request.request_id)
         return rejected
 
 
@@ -92,7 +100,7 @@ class ProposerHook:
 
     def before_schedule(self) -> list[EngineCoreOutput]:
         decoding = [r for r in self.scheduler.running
-                    if r.num_tokens - r.num_computed_tokens == 1 and r.grammar is None]
+                    if r.num_tokens - r.num_computed_tokens == 1 and r.params.structured is None]
         if decoding:
             proposals = self.proposer.propose(decoding)
             k = self.proposer.num_speculative_tokens

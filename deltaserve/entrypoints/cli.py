@@ -33,7 +33,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from deltaserve import envs
-    from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig, ServerConfig
+    from deltaserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, ServerConfig
     from deltaserve.entrypoints.server.launch import run
     from deltaserve.utils.cli_args import dataclass_from_args
 
@@ -55,7 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
                           device=args.device,
                           structured_output_backend=args.structured_output_backend, num_threads=args.num_threads,
                           cache=dataclass_from_args(CacheConfig, args),
-                          scheduler=dataclass_from_args(SchedulerConfig, args))
+                          scheduler=dataclass_from_args(SchedulerConfig, args),
+                          parallel=dataclass_from_args(ParallelConfig, args))
     return run(engine, server, log_level=args.log_level)
 
 
@@ -78,8 +79,8 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltaserve.bench import followup, http_overhead, offline, serve, sweep, trace_replay
-    from deltaserve.config import CacheConfig, SchedulerConfig, ServerConfig
+    from deltaserve.bench import executor_overhead, followup, http_overhead, offline, serve, sweep, trace_replay
+    from deltaserve.config import CacheConfig, ParallelConfig, SchedulerConfig, ServerConfig
     from deltaserve.models.tiny_spec import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
 
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = srv.add_argument_group("engine (help generated from the config dataclasses)")
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
     add_dataclass_args(engine, SchedulerConfig)
+    add_dataclass_args(engine, ParallelConfig)
     srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace_replay.add_parser(bench_sub)
     followup.add_parser(bench_sub)
     http_overhead.add_parser(bench_sub)
+    executor_overhead.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     sweep.add_parser(bench_sub)
     return parser

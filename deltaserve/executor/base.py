@@ -1,4 +1,4 @@
-"""The `Executor` protocol between the engine core and its workers, and the factory that picks one."""
+"""The `Executor` protocol between the engine core and its workers, and what workers report."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
-from deltaserve.config import EngineConfig
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -49,16 +48,3 @@ class Executor(Protocol):
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
         ...
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    """The executor named by `config.parallel.distributed_executor_backend` ('uni' or 'mp'), workers started and
-    the model loaded."""
-    backend = config.parallel.distributed_executor_backend
-    if backend == "mp":
-        from deltaserve.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    from deltaserve.executor.uniproc import UniprocExecutor
-
-    return UniprocExecutor(config)

@@ -11,6 +11,7 @@ from deltaserve.cache.planner import CacheLayout
 from deltaserve.config import EngineConfig
 from deltaserve.executor.base import WorkerInfo
 from deltaserve.models.loader import load_model
+from deltaserve.ops.dispatch import log_backends
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 from deltaserve.utils.malloc import keep_freed_memory
@@ -37,6 +38,7 @@ class Worker:
         if config.device == "cpu" and not keep_freed_memory():  # steps reuse their temporaries (utils/malloc.py)
             logger.info("not glibc: malloc left as it is")
         self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
+        log_backends()  # which kernels serve each op here, once
         self.device = next(self.model.parameters()).device
         self.runner: ModelRunner | None = None
         torch.manual_seed(config.seed)  # the shared generator of unseeded sampling

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.layers.forward_batch import KDALayerCache
+from deltaserve.models.protocol import Model
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.runner.input_batch import InputBatch
@@ -32,7 +33,7 @@ class _RequestState:
 class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one step over any mix of prefill and decode chunks."""
 
-    def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int, num_slots: int,
+    def __init__(self, model: Model, *, num_blocks: int, block_size: int, num_slots: int,
                  max_num_tokens: int = 2048) -> None:
         self.model = model
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
@@ -167,7 +168,7 @@ class ModelRunner:
                 logprobs = sampling_ops.compute_logprobs(self.model.compute_logits(
                     hidden[start_row + lo:start_row + hi]))  # [n, V]
                 targets = torch.tensor(prompt[lo + 1:hi + 1], device=logprobs.device)
-                num_top = min(state.data.params.prompt_logprobs, logprobs.shape[1])
+                num_top = min(state.data.params.prompt_logprobs or 0, logprobs.shape[1])
                 top_ids, top_lp, token_lp, ranks = sampling_ops.gather_logprobs(logprobs, targets, num_top)
                 for t, lp, rank, ids, values in zip(targets.tolist(), token_lp.tolist(), ranks.tolist(),
                                                     top_ids.tolist(), top_lp.tolist(), strict=True):

@@ -236,17 +236,17 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
 
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:
     out: list[TokenLogprobs | None] = [None] * len(rows)
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    wanted = {i: n for i, row in enumerate(rows) if (n := row.params.logprobs) is not None}
     if not wanted:
         return out
-    idx = torch.tensor(wanted, device=raw.device)
-    num_top = min(max(rows[i].params.logprobs for i in wanted), raw.shape[1])
+    idx = torch.tensor(list(wanted), device=raw.device)
+    num_top = min(max(wanted.values()), raw.shape[1])
     top_ids, top_logprobs, token_logprobs, ranks = sampling_ops.gather_logprobs(
         sampling_ops.compute_logprobs(raw.index_select(0, idx)), token_ids.index_select(0, idx), num_top
     )
     ids, top_ids_l, top_lp_l = token_ids.tolist(), top_ids.tolist(), top_logprobs.tolist()
-    for j, (i, logprob, rank) in enumerate(zip(wanted, token_logprobs.tolist(), ranks.tolist(), strict=True)):
-        n = rows[i].params.logprobs
+    for j, ((i, n), logprob, rank) in enumerate(zip(wanted.items(), token_logprobs.tolist(), ranks.tolist(),
+                                                    strict=True)):
         out[i] = TokenLogprobs(token_id=ids[i], logprob=logprob, rank=rank,
                                top=tuple(zip(top_ids_l[j][:n], top_lp_l[j][:n], strict=True)))
     return out

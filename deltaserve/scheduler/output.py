@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,9 +65,9 @@ class SchedulerOutput:
     structured_request_ids: list[str] = field(default_factory=list)
     """Sampling requests constrained by a grammar this step, in the row order of `grammar_bitmask`. Filled by the
     engine (its StructuredOutputManager) after `schedule()`; empty when no sampled row is constrained."""
-    grammar_bitmask: object | None = None
-    """CPU int32 torch tensor ``[len(structured_request_ids), ceil(vocab / 32)]``: bit j of word w allows token
-    32 * w + j (kept opaque here so the scheduler needs no torch). None when `structured_request_ids` is empty."""
+    grammar_bitmask: torch.Tensor | None = None
+    """CPU int32 ``[len(structured_request_ids), ceil(vocab / 32)]``: bit j of word w allows token 32 * w + j (set by
+    the engine; the scheduler itself needs no torch). None when `structured_request_ids` is empty."""
 
     @property
     def num_tokens(self) -> int:

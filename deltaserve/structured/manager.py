@@ -1,7 +1,7 @@
 """`StructuredOutputManager`: compiles grammars off the step loop and builds each step's token bitmask.
 
 A request with `params.structured` waits here, not in the scheduler, while a thread pool compiles its grammar; the
-engine collects it with `take_finished()` at the start of a step (compiled: `request.grammar` set, then scheduled;
+engine collects it with `take_finished()` at the start of a step (compiled: with its grammar, then scheduled;
 failed: finished with an error). Compilation drops the GIL in llguidance, so decoding requests keep stepping.
 """
 
@@ -91,18 +91,17 @@ class StructuredOutputManager:
             futures = [f for _, f in self._pending.values()]
             concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def take_finished(self) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """Requests whose compile ended, in submission order: the compiled ones (with `grammar` set) and the failed
+    def take_finished(self) -> tuple[list[tuple[Request, Grammar]], list[tuple[Request, str]]]:
+        """Requests whose compile ended, in submission order: the compiled ones with their grammar and the failed
         ones with the error message."""
-        compiled: list[Request] = []
+        compiled: list[tuple[Request, Grammar]] = []
         failed: list[tuple[Request, str]] = []
         for request_id, (request, future) in list(self._pending.items()):
             if not future.done():
                 continue
             del self._pending[request_id]
             try:
-                request.grammar = future.result()
-                compiled.append(request)
+                compiled.append((request, future.result()))
             except Exception as e:  # a bad spec (ValueError) or a backend failure: finish this request only
                 message = str(e) if isinstance(e, ValueError) else f"structured output failed: {type(e).__name__}: {e}"
                 logger.warning("request %s: %s", request_id, message)

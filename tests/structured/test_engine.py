@@ -206,10 +206,9 @@ def test_abort_frees_compiling_and_running_grammars(llm):
     engine.add_request("running", prompts(1, seed=101)[0], SamplingParams(max_tokens=MAX_TOKENS, structured=JSON))
     while "running" not in engine.scheduler.requests or not engine.scheduler.requests["running"].output_token_ids:
         engine.step()
-    request = engine.scheduler.requests["running"]
-    assert request.grammar is not None
+    assert "running" in engine.grammar_hook.grammars
     engine.abort_request("running")
-    assert request.grammar is None
+    assert "running" not in engine.grammar_hook.grammars
     assert_no_leaks(engine)
 
 
@@ -243,12 +242,12 @@ def test_rejected_token_finishes_the_request_with_an_error(path):
         assert engine.step() == []  # compiling, then the first 8-token prefill chunk
     request = engine.scheduler.requests["r"]
     assert not request.output_token_ids
-    request.grammar = _AllowEverything(request.grammar)
+    engine.grammar_hook.grammars["r"] = _AllowEverything(engine.grammar_hook.grammars["r"])
     events = []
     while engine.has_unfinished_requests():
         events += engine.step()
     assert len(events) == 1 and events[0].finish_reason is FinishReason.ERROR
-    assert "rejected token" in events[0].error and request.grammar is None
+    assert "rejected token" in events[0].error and "r" not in engine.grammar_hook.grammars
     assert_no_leaks(engine)
     out = outputs(small.generate(prompts(1, seed=111), SamplingParams(max_tokens=MAX_TOKENS, structured=JSON)))[0]
     jsonschema.validate(json.loads(out.text), SCHEMA)

@@ -1,0 +1,105 @@
+"""The multiprocess executor with one worker process: outputs identical to the in-process executor, and a worker
+that dies is a fatal engine error with its exit status (never a hang), through the engine and through the server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import httpx
+import openai
+import pytest
+
+from deltaserve import LLM
+from deltaserve.config import EngineConfig, ParallelConfig, SchedulerConfig
+from deltaserve.engine.engine_core import EngineCore
+from deltaserve.executor import WorkerDiedError
+from deltaserve.executor.multiproc import MultiprocExecutor
+from deltaserve.sampling_params import SamplingParams
+from tests.entrypoints.server_fixture import API_KEY, start_server, stop_server
+from tests.helpers import prompt_ids
+
+
+def config(path: str, backend: str) -> EngineConfig:
+    return EngineConfig(model=path, parallel=ParallelConfig(distributed_executor_backend=backend),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=32))
+
+
+def generate(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    for rid, (prompt, params) in requests.items():
+        core.add_request(rid, prompt, params)
+    out: dict[str, list] = {rid: [] for rid in requests}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            out[o.request_id].append((o.new_token_ids, o.logprobs, o.finish_reason))
+    return out
+
+
+@pytest.fixture(scope="module")
+def path(tiny_dir):
+    return str(tiny_dir("base"))
+
+
+@pytest.mark.parametrize("variant", ["base", "odd-sizes", "k3"])
+def test_one_worker_process_equals_in_process(tiny_dir, variant):
+    path = str(tiny_dir(variant))
+    reqs = {
+        "greedy": (prompt_ids(600, 40, seed=1), SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)),
+        "seeded": (prompt_ids(600, 9, seed=2), SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=12)),
+        "short": (prompt_ids(600, 3, seed=3), SamplingParams(temperature=0.0, max_tokens=5)),
+    }
+    uni = EngineCore(config(path, "uni"))
+    mp = EngineCore(config(path, "mp"))
+    try:
+        assert isinstance(mp.executor, MultiprocExecutor)
+        assert generate(mp, reqs) == generate(uni, reqs)
+    finally:
+        mp.shutdown()
+    assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in mp.executor.pids)
+
+
+def test_killed_worker_is_a_fatal_error_with_its_exit_status(path):
+    core = EngineCore(config(path, "mp"))
+    try:
+        core.add_request("r", prompt_ids(1024, 20, seed=4), SamplingParams(temperature=0.0, max_tokens=50))
+        core.step()
+        (pid,) = core.executor.pids
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match=rf"pid {pid}\) died with exit status -9"):
+            while core.has_unfinished_requests():
+                core.step()
+    finally:
+        core.shutdown()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_server_with_a_worker_process_serves_and_reports_its_death(tiny_dir, tmp_path):
+    server = start_server(tiny_dir("base"), tmp_path, "--distributed-executor-backend", "mp")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        llm = LLM(model=str(tiny_dir("base")))
+        for i, settings in enumerate([dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=11)]):
+            prompt = prompt_ids(1024, 12, seed=20 + i)
+            done = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **settings)
+            alone = llm.generate([prompt], SamplingParams(max_tokens=8, **settings))[0].outputs[0]
+            assert done.choices[0].text == alone.text and done.usage.completion_tokens == len(alone.token_ids)
+        (pid,) = map(int, re.findall(r"worker process\(es\) ready: pids \[(\d+)\]", server.log.read_text()))
+        stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2000, temperature=0.0,
+                                           stream=True)
+        first = next(iter(stream))  # the request is running in the worker now
+        assert first.choices
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _ in stream:  # the stream ends with an error, not a hang and not a normal finish
+                pass
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
+    finally:
+        stop_server(server)
