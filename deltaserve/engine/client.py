@@ -1,4 +1,4 @@
-"""`AsyncEngineClient`: drives an `EngineCore` that runs in its own process, from asyncio code.
+"""`AsyncEngineClient`: the `EngineClient` (protocol.py) of an `EngineCore` that runs in its own process.
 
 The engine process (`core_proc.run_engine_core`) is started with the "spawn" method and joined by two ZMQ PUSH/PULL
 channels over `ipc://` sockets in a private temporary directory (protocol: `messages.py`). The API process never
@@ -20,8 +20,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator
 
 import msgspec
 import zmq
@@ -31,18 +30,18 @@ from deltaserve.engine.core_proc import run_engine_core
 from deltaserve.engine.messages import (
     AbortRequest,
     AddRequest,
+    EngineCoreOutput,
     EngineInfo,
     EngineOutput,
     FatalError,
     OutputBatch,
     Ready,
-    RequestOutput,
     ShutdownRequest,
     StartupError,
     StatsReply,
     StatsRequest,
-    TokenLogprobs,
 )
+from deltaserve.engine.protocol import EngineDeadError, EngineRequestError
 from deltaserve.engine.stats import EngineStats
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
@@ -54,8 +53,6 @@ __all__ = [
     "EngineRequestError",
     "EngineStartError",
     "EngineStats",
-    "RequestDelta",
-    "TokenLogprobs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,34 +69,9 @@ class EngineStartError(RuntimeError):
         self.traceback = traceback
 
 
-class EngineDeadError(RuntimeError):
-    """The engine process is gone (it failed, was killed, or was shut down)."""
-
-
-class EngineRequestError(ValueError):
-    """The engine rejected this request (bad prompt or parameters) or ended it with an error (its grammar failed to
-    compile or rejected a token); the engine itself keeps serving."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDelta:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-    """One per new token; None where logprobs were not requested."""
-    finish_reason: FinishReason | None
-    """Set on the request's last delta."""
-    num_cached_tokens: int
-    """Prompt tokens served from the prefix cache."""
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    """On the first delta of a request with params.prompt_logprobs: one per prompt token after the first."""
-
-
 class AsyncEngineClient:
-    """One engine process and the routing of its outputs. Create with `await AsyncEngineClient.start(config)`;
-    all methods must be called from the event loop that started it."""
+    """One engine process and the routing of its outputs (an `EngineClient`). Create with
+    `await AsyncEngineClient.start(config)`; all methods must be called from the event loop that started it."""
 
     def __init__(self, *, process: multiprocessing.process.BaseProcess, zmq_ctx: zmq.Context, input_socket: zmq.Socket,
                  output_socket: zmq.Socket, socket_dir: str, info: EngineInfo) -> None:
@@ -110,7 +82,7 @@ class AsyncEngineClient:
         self._loop = asyncio.get_running_loop()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineOutput)
-        self._queues: dict[str, asyncio.Queue[RequestDelta | Exception]] = {}
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._stats_numbers = itertools.count()
         self._fatal: FatalError | None = None
@@ -167,8 +139,9 @@ class AsyncEngineClient:
     # -- requests ------------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0) -> AsyncIterator[RequestDelta]:
-        """Add a request (when iteration starts) and yield one delta per engine step that produced tokens for it,
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0
+                       ) -> AsyncGenerator[EngineCoreOutput, None]:
+        """Add a request (when iteration starts) and yield one output per engine step that produced tokens for it,
         until the one with `finish_reason` set.
 
         Closing the iterator early (aclose, cancellation, garbage collection) aborts the request in the engine.
@@ -186,7 +159,7 @@ class AsyncEngineClient:
                 eos_token_ids=eos_token_ids, priority=priority))
         except (OverflowError, UnicodeEncodeError, TypeError) as exc:  # a value the wire cannot carry
             raise EngineRequestError(f"the request cannot be sent to the engine: {exc}") from exc
-        queue: asyncio.Queue[RequestDelta | Exception] = asyncio.Queue()
+        queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
@@ -206,10 +179,12 @@ class AsyncEngineClient:
 
     async def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request now and free its cache (ABORT: the client went away; STOP: the frontend found a stop
-        string). Its iterator yields a last, empty delta with `finish_reason=reason`. Unknown ids are ignored."""
+        string). Its iterator yields a last output with no tokens and `finish_reason=reason`. Unknown ids are
+        ignored."""
         queue = self._queues.pop(request_id, None)
         if queue is not None:
-            queue.put_nowait(RequestDelta(request_id, [], [], reason, 0))
+            queue.put_nowait(EngineCoreOutput(request_id=request_id, new_token_ids=[], logprobs=[],
+                                              finish_reason=reason))
         if self._dead_reason is None and not self._closing:
             self._send(AbortRequest(request_id=request_id, reason=reason))
 
@@ -304,7 +279,7 @@ class AsyncEngineClient:
             self._fatal = msg
             logger.error("engine process failed: %s\n%s", msg.message, msg.traceback)
 
-    def _route(self, out: RequestOutput) -> None:
+    def _route(self, out: EngineCoreOutput) -> None:
         queue = self._queues.get(out.request_id)
         if queue is None:
             return
@@ -314,8 +289,7 @@ class AsyncEngineClient:
             return
         if out.finish_reason is not None:
             del self._queues[out.request_id]
-        queue.put_nowait(RequestDelta(out.request_id, out.new_token_ids, out.logprobs, out.finish_reason,
-                                      out.num_cached_tokens, out.prompt_logprobs))
+        queue.put_nowait(out)
 
     def _on_exit(self) -> None:
         """The engine process exited: deliver what it sent last, then fail every waiter."""

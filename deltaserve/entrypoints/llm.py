@@ -1,37 +1,38 @@
-"""`LLM`: the offline Python API (vLLM-style): `LLM(model=PATH).generate(prompts, SamplingParams(...))`."""
+"""`LLM`: the offline Python API (vLLM-style): `LLM(model=PATH).generate(prompts, SamplingParams(...))`.
+
+`generate` runs on the same seams as the HTTP server: an `InprocEngineClient` (the engine in this process, stepped
+inline on a private event loop) and the shared `OutputProcessor` (fan-out of n, detokenization, stop strings,
+logprobs); this module only checks the arguments and assembles `RequestOutput`s from the `SequenceUpdate`s.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+import weakref
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deltaserve.default_model import default_model_dir
 from deltaserve.engine.engine_core import EngineCore
-from deltaserve.outputs import CompletionOutput, RequestOutput
+from deltaserve.engine.inproc_client import InprocEngineClient
+from deltaserve.engine.output_processor import OutputProcessor, SequenceState, TextProcessor
+from deltaserve.engine.protocol import EngineRequestError
+from deltaserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from deltaserve.request import FinishReason
-from deltaserve.sampling_params import SamplingParams, child_seed
-from deltaserve.text.detokenizer import IncrementalDetokenizer
+from deltaserve.sampling_params import SamplingParams
 from deltaserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
-
-
-@dataclass(slots=True)
-class _Sequence:
-    """Frontend bookkeeping of one output sequence."""
-
-    output: CompletionOutput
-    detokenizer: IncrementalDetokenizer
-    request: RequestOutput | None = None
-    logprobs: list[Any] = field(default_factory=list)
+T = TypeVar("T")
 
 
 class LLM:
@@ -67,9 +68,18 @@ class LLM:
         )
         ModelConfig.from_pretrained(model)  # fail on a bad checkpoint config before reading anything else
         self.tokenizer = Tokenizer.from_pretrained(model)
-        self.engine = EngineCore(config)
+        self.engine: EngineCore = EngineCore(config)
+        """The engine core, stepped by `generate` (its scheduler, cache, stats and step observer are public)."""
         self.eos_token_ids = frozenset(self.engine.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self._client = InprocEngineClient(self.engine)
+        self._output = OutputProcessor(self._client, eos_token_ids=self.eos_token_ids)
         self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        """Private to this object: `generate` runs on it (in the calling thread, or in `_thread` when that thread
+        already runs an event loop)."""
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._task: asyncio.Task[Any] | None = None
+        weakref.finalize(self, _close, self._loop)
 
     def generate(
         self,
@@ -79,7 +89,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids), all batched together.
 
-        Returns one RequestOutput per prompt, in order, each with `params.n` outputs.
+        Returns one RequestOutput per prompt, in order, each with `params.n` outputs. Bad arguments raise
+        ValueError or TypeError before anything is queued (a request the engine core itself refuses raises the
+        core's ValueError); an exception (or KeyboardInterrupt) part-way aborts every request of the call. A
+        sequence the engine ends with an error (its grammar failed to compile) gets finish_reason "error"; a failed
+        engine step raises its exception.
         """
         if not isinstance(prompts, (str, list, tuple)):
             raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got "
@@ -92,14 +106,11 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for ids in encoded:
             self.engine.validate_prompt(ids)
-        results, live = self._add_all(prompts, encoded, params_list, priorities)
+        results = [RequestOutput(request_id=str(next(self._ids)), prompt=prompt if isinstance(prompt, str) else None,
+                                 prompt_token_ids=ids, outputs=[], finished=False)
+                   for prompt, ids in zip(prompts, encoded, strict=True)]
         start = time.perf_counter()
-        try:
-            self._run(live)
-        except BaseException:
-            for rid in list(live):
-                self.engine.abort_request(rid)
-            raise
+        self._run(self._generate(results, params_list, priorities))
         for r in results:
             r.finished = True
         logger.debug("generated %d sequences in %.2f s", sum(len(r.outputs) for r in results),
@@ -113,66 +124,105 @@ class LLM:
             raise TypeError(f"a prompt must be a string or a list of int token ids, got {prompt!r:.80}")
         return list(prompt)
 
-    def _add_all(self, prompts, encoded, params_list, priority) -> tuple[list[RequestOutput], dict[str, _Sequence]]:
-        results: list[RequestOutput] = []
-        live: dict[str, _Sequence] = {}
-        for i, (prompt, ids, params) in enumerate(zip(prompts, encoded, params_list, strict=True)):
-            request_id = str(next(self._ids))
-            outputs = []
-            for j in range(params.n):
-                child = params if params.n == 1 else dataclasses.replace(
-                    params, n=1, seed=child_seed(params.seed, j))
-                rid = request_id if params.n == 1 else f"{request_id}-{j}"
-                out = CompletionOutput(index=j, text="", token_ids=[], finish_reason=None)
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, skip_special_tokens=child.skip_special_tokens, stop=child.stop,
-                    include_stop_str_in_output=child.include_stop_str_in_output, min_tokens=child.min_tokens,
-                )
-                try:
-                    self.engine.add_request(rid, ids, child, eos_token_ids=self.eos_token_ids, priority=priority[i])
-                except BaseException:
-                    for other in live:
-                        self.engine.abort_request(other)
-                    raise
-                live[rid] = _Sequence(out, detok)
-                outputs.append(out)
-            result = RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                                   prompt_token_ids=ids, outputs=outputs, finished=False)
-            for j in range(params.n):
-                live[request_id if params.n == 1 else f"{request_id}-{j}"].request = result
-            results.append(result)
-        return results, live
+    async def _generate(self, results: list[RequestOutput], params_list: list[SamplingParams],
+                        priorities: list[int]) -> None:
+        """One task per output sequence, started in prompt order (so requests reach the engine in that order);
+        the first task that fails cancels the others, whose streams abort their requests."""
+        tasks = []
+        for result, params, priority in zip(results, params_list, priorities, strict=True):
+            for seq in self._output.sequences(result.request_id, result.prompt_token_ids, params, self._processor):
+                result.outputs.append(CompletionOutput(index=seq.index, text="", token_ids=[], finish_reason=None))
+                tasks.append(asyncio.create_task(self._collect(result, seq, priority)))
+        if not tasks:
+            return
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _run(self, live: dict[str, _Sequence]) -> None:
-        idle_steps = 0
-        while live:
-            events = self.engine.step()
-            idle_steps = 0 if events else idle_steps + 1
-            if idle_steps > 10_000:
-                raise RuntimeError("the engine made no progress for 10,000 steps (see the watchdog log)")
-            for ev in events:
-                seq = live.get(ev.request_id)
-                if seq is None:  # left behind by an earlier call that failed half-way: not ours to report
-                    self.engine.abort_request(ev.request_id)
-                    continue
-                if not seq.output.token_ids and seq.output.index == 0:
-                    seq.request.num_cached_tokens = ev.num_cached_tokens
-                    if ev.prompt_logprobs is not None:
-                        seq.request.prompt_logprobs = [None, *ev.prompt_logprobs]
-                seq.output.token_ids.extend(ev.new_token_ids)
-                seq.logprobs.extend(ev.logprobs)
-                update = seq.detokenizer.push(ev.new_token_ids)
-                reason = ev.finish_reason
-                if update.stop_string is not None and reason is None:
-                    self.engine.finish_request(ev.request_id, FinishReason.STOP)
-                    reason = FinishReason.STOP
-                if reason is not None:
-                    if update.stop_string is None:
-                        seq.detokenizer.finish()
-                    seq.output.text = seq.detokenizer.text
-                    seq.output.finish_reason = reason.value
-                    seq.output.logprobs = seq.logprobs if any(lp is not None for lp in seq.logprobs) else None
-                    del live[ev.request_id]
+    def _processor(self, params: SamplingParams) -> TextProcessor:
+        return TextProcessor(self.tokenizer, params)
+
+    async def _collect(self, result: RequestOutput, seq: SequenceState, priority: int) -> None:
+        """Fill `result.outputs[seq.index]` from the sequence's updates."""
+        out = result.outputs[seq.index]
+        texts: list[str] = []
+        logprobs: list[TokenLogprobs | None] = []
+        failure: BaseException | None = None
+        try:
+            async with contextlib.aclosing(self._output.stream(seq, result.prompt_token_ids,
+                                                               priority=priority)) as updates:
+                async for update in updates:
+                    if seq.index == 0 and not out.token_ids:
+                        result.num_cached_tokens = update.num_cached_tokens
+                        if update.prompt_logprobs is not None:
+                            result.prompt_logprobs = [None, *update.prompt_logprobs]
+                    out.token_ids.extend(update.token_ids)
+                    logprobs.extend(update.logprobs)
+                    texts.append(update.delta.content)
+                    out.finish_reason = update.finish_reason
+        except EngineRequestError as exc:
+            # Chained: the core refused the request (its ValueError) or a step failed (its exception): raised as
+            # the core raised it. Not chained: the engine ended the sequence with an error (a grammar). A
+            # KeyboardInterrupt in a step has already left the event loop; raising it again here would stop the
+            # loop once more, inside the clean-up.
+            if isinstance(exc.__cause__, Exception):
+                failure = exc.__cause__
+            out.finish_reason = FinishReason.ERROR.value
+        if failure is not None:
+            raise failure
+        out.text = "".join(texts)
+        out.logprobs = logprobs if any(lp is not None for lp in logprobs) else None
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` to completion on the private loop: in this thread, or in a helper thread when this thread
+        already runs an event loop (a notebook), since loops do not nest."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            in_a_loop = False
+        else:
+            in_a_loop = True
+        if not in_a_loop:  # outside the except block: its RuntimeError must not become every error's context
+            return self._run_here(coro)
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deltaserve-llm")
+        future = self._thread.submit(self._run_here, coro)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():  # interrupted while waiting: stop the run there, let it abort its requests
+                self._loop.call_soon_threadsafe(self._cancel)
+                concurrent.futures.wait([future])
+            raise
+
+    def _run_here(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = self._task = self._loop.create_task(coro)
+        try:
+            return self._loop.run_until_complete(task)
+        except BaseException:
+            # A KeyboardInterrupt may have stopped the loop with the task still running: cancel it and let it
+            # finish, which closes its streams and so aborts its requests in the engine.
+            task.cancel()
+            with contextlib.suppress(BaseException):  # the first exception is the one to raise
+                self._loop.run_until_complete(task)
+            raise
+        finally:
+            self._task = None
+
+    def _cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    if not loop.is_running():
+        loop.close()
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:

@@ -4,6 +4,7 @@ aborts free the cache, bad requests fail alone, a dead engine fails every caller
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -21,11 +22,15 @@ from deltaserve.engine.client import (
     EngineDeadError,
     EngineRequestError,
     EngineStartError,
-    RequestDelta,
 )
 from deltaserve.engine.core_proc import MAX_FAILED_STEPS, run_engine_core
+from deltaserve.engine.inproc_client import InprocEngineClient
+from deltaserve.engine.messages import EngineCoreOutput
+from deltaserve.engine.output_processor import OutputProcessor, TextProcessor
+from deltaserve.engine.protocol import EngineClient
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import StructuredOutput
+from deltaserve.text.tokenizer import Tokenizer
 from tests.helpers import prompt_ids
 
 MAX_MODEL_LEN = 256
@@ -82,11 +87,11 @@ def llm(path) -> LLM:
 
 
 async def collect(client: AsyncEngineClient, request_id: str, ids: list[int],
-                  params: SamplingParams) -> list[RequestDelta]:
+                  params: SamplingParams) -> list[EngineCoreOutput]:
     return [delta async for delta in client.generate(request_id, ids, params)]
 
 
-def tokens(deltas: list[RequestDelta]) -> list[int]:
+def tokens(deltas: list[EngineCoreOutput]) -> list[int]:
     return [t for d in deltas for t in d.new_token_ids]
 
 
@@ -233,6 +238,51 @@ def test_stats_counters(engine, loop):
     assert after.steps - before.steps >= GREEDY.max_tokens
     assert after.prefix_queried_tokens > before.prefix_queried_tokens
     assert after.kv_blocks_total == engine.info.num_blocks and after.state_slots_total == engine.info.num_state_slots
+
+
+async def processed(client: EngineClient, tokenizer: Tokenizer, request_id: str, ids: list[int],
+                    params: SamplingParams) -> list[dict]:
+    """Each sequence of a request through the output processor, joined: ids, text, reason, stop string, logprobs."""
+    seqs = [{"ids": [], "text": "", "reason": None, "stop": None, "logprobs": []} for _ in range(params.n)]
+    processor = OutputProcessor(client, eos_token_ids=frozenset(tokenizer.eos_token_ids))
+    async for u in processor.generate(request_id, ids, params, lambda p: TextProcessor(tokenizer, p)):
+        seq = seqs[u.index]
+        seq["ids"] += u.token_ids
+        seq["text"] += u.delta.content
+        seq["logprobs"] += u.logprobs
+        if u.finish_reason is not None:
+            seq["reason"], seq["stop"] = u.finish_reason, u.stop_string
+    return seqs
+
+
+def test_inproc_and_process_clients_give_the_same_outputs(engine, loop, config, path):
+    """Through the same output processor, the in-process and the engine-process clients give the same n=2 outputs:
+    greedy with logprobs, and seeded sampling ended by a stop string (child seeds differ per sequence)."""
+    tokenizer = Tokenizer.from_pretrained(path)
+    inproc = InprocEngineClient.from_config(config)
+    prompt = prompt_ids(1024, 25, seed=900)
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, logprobs=1)
+    free = run(loop, processed(inproc, tokenizer, "free", prompt, seeded))
+    stop = free[0]["text"][len(free[0]["text"]) // 2:][:3]
+    assert free[0]["ids"] != free[1]["ids"] and len(stop) == 3
+    stopped = dataclasses.replace(seeded, stop=[stop])
+
+    results = {}
+    for name, client in (("inproc", inproc), ("process", engine)):
+        results[name] = [run(loop, processed(client, tokenizer, f"{name}-{i}", prompt, params))
+                         for i, params in enumerate((greedy, stopped))]
+    run(loop, inproc.shutdown())
+    ours, theirs = results["inproc"], results["process"]
+    assert ours[1][0]["reason"] == "stop" and ours[1][0]["stop"] == stop and stop not in ours[1][0]["text"]
+    for request_ours, request_theirs in zip(ours, theirs, strict=True):
+        for a, b in zip(request_ours, request_theirs, strict=True):
+            assert (a["ids"], a["text"], a["reason"], a["stop"]) == (b["ids"], b["text"], b["reason"], b["stop"])
+            assert len(a["logprobs"]) == len(a["ids"])
+            for x, y in zip(a["logprobs"], b["logprobs"], strict=True):
+                assert (x.token_id, x.rank, [t for t, _ in x.top]) == (y.token_id, y.rank, [t for t, _ in y.top])
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert engine.num_unfinished == 0 and inproc.num_unfinished == 0
 
 
 def test_shutdown_is_clean_and_idempotent(engine, loop):

@@ -7,8 +7,8 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+from deltaserve.engine.output_processor import SequenceUpdate
 from deltaserve.entrypoints.anthropic.messages import _events
-from deltaserve.entrypoints.server.frontend import SequenceUpdate
 from deltaserve.parsers.types import ParsedDelta, ToolCallDelta
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.config import ModelConfig
+from deltaserve.sampling_params import child_seed
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -117,6 +120,7 @@ def test_bad_prompts_raise_value_error(llm, prompt, needle):
     (dict(priority=[1]), "priority"),
     (dict(prompts=[[1.9, 2.2], [3]]), "token ids"),
     (dict(prompts=b"hello"), "prompts"),
+    (dict(priority=[0, 2**70]), "64-bit"),  # refused by the engine core, after the first prompt was queued
 ])
 def test_bad_generate_arguments_leave_the_engine_clean(llm, call, needle):
     """A bad sampling_params, priority or prompt list is refused before anything is queued (a request left in the
@@ -126,6 +130,74 @@ def test_bad_generate_arguments_leave_the_engine_clean(llm, call, needle):
         llm.generate(args.pop("prompts"), **args)
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate([[5, 9]], SamplingParams(max_tokens=3))[0].outputs[0].finish_reason == "length"
+
+
+def _step_raising(llm, error: BaseException, after: int):
+    """llm.engine.step, except that the call after `after` good ones raises `error` (once)."""
+    real, calls = llm.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == after + 1:
+            raise error
+        return real()
+
+    return step
+
+
+@pytest.mark.parametrize("where, error", [("step", KeyboardInterrupt()), ("step", RuntimeError("injected")),
+                                          ("detokenizer", KeyboardInterrupt())],
+                         ids=["interrupt-in-step", "exception-in-step", "interrupt-in-detokenizer"])
+def test_interrupted_or_failed_call_aborts_its_requests_and_the_llm_goes_on(llm, monkeypatch, where, error):
+    """A KeyboardInterrupt or an exception part-way (inside an engine step, or while detokenizing) leaves generate
+    with that exception, nothing of the call stays in the engine, and the next call gives the outputs of an
+    undisturbed one."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 9, 11], [7, 8], [3, 4, 5, 6]]
+    expected = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    if where == "step":
+        monkeypatch.setattr(llm.engine, "step", _step_raising(llm, error, after=3))
+    else:
+        real, calls = llm.tokenizer.decode_bytes, []
+
+        def decode_bytes(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 5:
+                raise error
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(llm.tokenizer, "decode_bytes", decode_bytes)
+    with pytest.raises(type(error)):
+        llm.generate(prompts, params)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == expected
+
+
+def test_generate_inside_a_running_event_loop(llm):
+    """generate works where the calling thread already runs an event loop (a notebook), with the same outputs."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+
+    async def in_a_loop():
+        return llm.generate([[5, 6, 7]], params)
+
+    assert asyncio.run(in_a_loop())[0].outputs[0].token_ids == expected
+
+
+def test_n_fan_out_and_stop_strings(llm):
+    """n=2 gives each output its child seed's tokens; a stop string ends an output with 'stop' and cuts its text
+    before the stop string, and the request ends there in the engine."""
+    params = SamplingParams(n=2, temperature=1.0, seed=21, max_tokens=12, ignore_eos=True)
+    both = llm.generate([[5, 6, 7]], params)[0].outputs
+    for j, out in enumerate(both):
+        alone = llm.generate([[5, 6, 7]], dataclasses.replace(params, n=1, seed=child_seed(21, j)))[0].outputs[0]
+        assert (out.index, out.token_ids, out.text) == (j, alone.token_ids, alone.text)
+    text = both[0].text
+    stop = text[len(text) // 2:][:2]
+    stopped = llm.generate([[5, 6, 7]], dataclasses.replace(params, stop=[stop]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)]
+    assert len(stopped.token_ids) < len(both[0].token_ids) and not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(

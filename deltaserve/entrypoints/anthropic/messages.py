@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
+from deltaserve.engine.output_processor import SequenceUpdate
 from deltaserve.entrypoints.anthropic.protocol import ContentBlock, CountTokensRequest, MessagesRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
-from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, chat_processors
+from deltaserve.entrypoints.server.frontend import Frontend, chat_processors
 from deltaserve.entrypoints.server.prompt import RenderedPrompt
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
@@ -228,7 +229,7 @@ class _Blocks:
 
 
 async def _events(frontend: Frontend, plan: MessagesPlan, message_id: str,
-                  stream: AsyncIterator[SequenceUpdate]) -> AsyncIterator[str]:
+                  stream: AsyncGenerator[SequenceUpdate, None]) -> AsyncIterator[str]:
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": frontend.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None,

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.chat.xtml import THINKING_EFFORTS
+from deltaserve.engine.output_processor import SequenceUpdate
 from deltaserve.entrypoints.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from deltaserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -23,7 +24,7 @@ from deltaserve.entrypoints.openai.protocol import (
 )
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
-from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, chat_processors
+from deltaserve.entrypoints.server.frontend import Frontend, chat_processors
 from deltaserve.entrypoints.server.prompt import RenderedPrompt
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
@@ -212,7 +213,7 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
     return _events(frontend, plan, request_id, stream, usage_mode)
 
 
-async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: AsyncIterator[SequenceUpdate],
+async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: AsyncGenerator[SequenceUpdate, None],
                   usage_mode: str | None) -> AsyncIterator[str]:
     created = int(time.time())
     hidden = plan.thinking and not plan.show_reasoning

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import msgspec
+
+from deltaserve.engine.output_processor import SequenceUpdate, TextProcessor, merge
 from deltaserve.entrypoints.openai.logprobs import (
     char_len,
     completion_logprobs,
@@ -20,7 +21,7 @@ from deltaserve.entrypoints.openai.logprobs import (
 from deltaserve.entrypoints.openai.protocol import CompletionRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
-from deltaserve.entrypoints.server.frontend import Frontend, SequenceUpdate, TextProcessor
+from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -73,44 +74,20 @@ class CompletionPlan:
         self.priority = frontend.check_priority(body.priority)
 
 
-async def _merge(streams: list[AsyncIterator[SequenceUpdate]], n: int) -> AsyncIterator[SequenceUpdate]:
+async def _merge(streams: list[AsyncGenerator[SequenceUpdate, None]], n: int
+                 ) -> AsyncGenerator[SequenceUpdate, None]:
     """Interleave the prompts' update streams, renumbering choices to prompt * n + index."""
     if len(streams) == 1:
-        async for u in streams[0]:
-            yield u
+        async with contextlib.aclosing(streams[0]) as only:
+            async for u in only:
+                yield u
         return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(p: int, stream: AsyncIterator[SequenceUpdate]) -> None:
-        try:
-            async for u in stream:
-                queue.put_nowait((p, u))
-            queue.put_nowait((p, None))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
-            queue.put_nowait((p, exc))
-        finally:
-            await stream.aclose()
-
-    tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
-    try:
-        live = len(streams)
-        while live:
-            p, item = await queue.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield dataclasses.replace(item, index=p * n + item.index)
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+    async with contextlib.aclosing(merge(streams)) as merged:
+        async for p, u in merged:
+            yield msgspec.structs.replace(u, index=p * n + u.index)
 
 
-def _start(frontend: Frontend, plan: CompletionPlan, request_id: str) -> AsyncIterator[SequenceUpdate]:
+def _start(frontend: Frontend, plan: CompletionPlan, request_id: str) -> AsyncGenerator[SequenceUpdate, None]:
     frontend.check_capacity(plan.n * len(plan.prompts))
     streams = [frontend.generate(f"{request_id}-p{p}", ids, params,
                                  lambda sp: TextProcessor(frontend.tokenizer, sp), priority=plan.priority)
@@ -159,7 +136,7 @@ async def completion_stream(frontend: Frontend, body: CompletionRequest) -> Asyn
 
 
 async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequest, request_id: str,
-                  stream: AsyncIterator[SequenceUpdate], usage_mode: str | None) -> AsyncIterator[str]:
+                  stream: AsyncGenerator[SequenceUpdate, None], usage_mode: str | None) -> AsyncIterator[str]:
     created = int(time.time())
     acc = ChoiceAccumulator(plan.n * len(plan.prompts))
     prompt_tokens = sum(len(p) for p in plan.prompts)

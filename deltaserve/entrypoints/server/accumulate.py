@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.entrypoints.server.frontend import SequenceUpdate
+from deltaserve.engine.output_processor import SequenceUpdate
 from deltaserve.parsers.types import ToolCall
 
 

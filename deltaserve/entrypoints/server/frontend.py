@@ -1,80 +1,27 @@
 """`Frontend`: what every route shares between parsing its request body and writing its response.
 
-It owns the engine client, the tokenizer and chat format, the limits and the metrics. `generate` fans a request
-out into `n` engine sequences, turns their token ids into channel deltas (plain text for completions, reasoning /
-content / tool calls for chat) through one `SequenceProcessor` each, applies stop strings, and records latencies.
-Closing the generator early (client gone) aborts every sequence still running in the engine.
+It owns the engine client, the tokenizer and chat format, the limits and the metrics. `generate` runs a request
+through the shared `OutputProcessor` (engine/output_processor.py: `n` fan-out, one `SequenceProcessor` per
+sequence, stop strings), with the server's latency metrics as its observer, and turns engine errors into API
+errors. Closing the generator early (client gone) aborts every sequence still running in the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import json
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from deltaserve.chat.format import ChatFormat
 from deltaserve.chat.messages import ToolSpec
 from deltaserve.config import ServerConfig
-from deltaserve.engine.client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from deltaserve.engine.output_processor import ChatProcessor, OutputProcessor, SequenceProcessor, SequenceUpdate
+from deltaserve.engine.protocol import EngineClient, EngineDeadError, EngineRequestError
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.metrics import ServerMetrics
-from deltaserve.parsers.types import OutputParser, ParsedDelta
-from deltaserve.request import FinishReason
-from deltaserve.sampling_params import SamplingParams, StructuredOutput, child_seed
+from deltaserve.sampling_params import SamplingParams, StructuredOutput
 from deltaserve.structured.backend import StructuredOutputBackend
-from deltaserve.text.detokenizer import IncrementalDetokenizer
-from deltaserve.text.stop_strings import StopStringFilter
 from deltaserve.text.tokenizer import Tokenizer
-
-
-class SequenceProcessor(Protocol):
-    """Turns one sequence's token ids into channel deltas; reports a stop string that ends it."""
-
-    def push(self, token_ids: Sequence[int]) -> tuple[ParsedDelta, str | None]: ...
-
-    def finish(self) -> ParsedDelta: ...
-
-
-class TextProcessor:
-    """Completions: incremental detokenisation with stop strings (everything goes to `content`)."""
-
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
-        self._detok = IncrementalDetokenizer(
-            tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
-
-    def push(self, token_ids: Sequence[int]) -> tuple[ParsedDelta, str | None]:
-        update = self._detok.push(token_ids)
-        return ParsedDelta(content=update.text_delta), update.stop_string
-
-    def finish(self) -> ParsedDelta:
-        return ParsedDelta(content=self._detok.finish())
-
-
-class ChatProcessor:
-    """Chat: the format's output parser splits channels; stop strings apply to the content channel."""
-
-    def __init__(self, parser: OutputParser, params: SamplingParams) -> None:
-        self._parser = parser
-        self._stop = StopStringFilter(params.stop, include=params.include_stop_str_in_output)
-
-    def push(self, token_ids: Sequence[int]) -> tuple[ParsedDelta, str | None]:
-        return self._filter(self._parser.push(token_ids))
-
-    def finish(self) -> ParsedDelta:
-        delta, _ = self._filter(self._parser.finish())
-        return dataclasses.replace(delta, content=delta.content + self._stop.flush())
-
-    def _filter(self, delta: ParsedDelta) -> tuple[ParsedDelta, str | None]:
-        if self._stop.matched is not None:
-            return ParsedDelta(), None
-        content, stop = self._stop.push(delta.content)
-        return dataclasses.replace(delta, content=content), stop
 
 
 def chat_processors(frontend: Frontend, *, thinking: bool, tools: bool) -> Callable[[SamplingParams], ChatProcessor]:
@@ -85,39 +32,10 @@ def chat_processors(frontend: Frontend, *, thinking: bool, tools: bool) -> Calla
     return make
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SequenceUpdate:
-    """What one engine step (or the end) adds to output sequence `index`."""
-
-    index: int
-    delta: ParsedDelta
-    token_ids: list[int]
-    logprobs: list
-    """Per new token a `TokenLogprobs` or None."""
-    finish_reason: str | None = None
-    """'stop', 'length' or 'abort' on the sequence's last update."""
-    stop_string: str | None = None
-    num_cached_tokens: int = 0
-    """Prompt tokens the engine served from the prefix cache."""
-    prompt_logprobs: list | None = None
-    """On a sequence's first update, with params.prompt_logprobs: a `TokenLogprobs` per prompt token after the
-    first."""
-
-
-@dataclass(slots=True)
-class _Child:
-    index: int
-    request_id: str
-    processor: SequenceProcessor
-    last_token_time: float | None = None
-    num_tokens: int = 0
-    done: bool = False
-
-
 class Frontend:
     """Shared state of the API process: engine client, tokenizer, chat format, limits and metrics."""
 
-    def __init__(self, client: AsyncEngineClient, tokenizer: Tokenizer, chat_format: ChatFormat,
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, chat_format: ChatFormat,
                  config: ServerConfig, metrics: ServerMetrics, model_name: str, max_num_seqs: int,
                  structured_backend: StructuredOutputBackend, model_root: str = "",
                  priority_scheduling: bool = False) -> None:
@@ -134,6 +52,7 @@ class Frontend:
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = frozenset(client.info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self.structured_backend = structured_backend
+        self.output = OutputProcessor(client, eos_token_ids=self.eos_token_ids, metrics=metrics)
 
     @property
     def max_model_len(self) -> int:
@@ -249,90 +168,20 @@ class Frontend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        make_processor: Callable[[SamplingParams], SequenceProcessor], priority: int = 0
-                       ) -> AsyncIterator[SequenceUpdate]:
-        """Run `params.n` sequences; yield their updates as they come, each sequence's last one with a reason.
+                       ) -> AsyncGenerator[SequenceUpdate, None]:
+        """Run `params.n` sequences through the output processor; yield their updates as they come, each
+        sequence's last one with a reason.
 
-        Raises ApiError (400 for a request the engine rejects, 503 when the engine died). Closing the iterator
-        early aborts the sequences still running.
+        Raises ApiError (400 for a request the engine rejects or fails, 503 when the engine died). Closing the
+        iterator early aborts the sequences still running.
         """
-        arrival = time.perf_counter()
-        children = []
-        for j in range(params.n):
-            child = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=child_seed(params.seed, j))
-            rid = request_id if params.n == 1 else f"{request_id}-{j}"
-            children.append((_Child(j, rid, make_processor(child)), child))
-        queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(c, p, prompt_ids, queue, priority)) for c, p in children]
-        first_token_time: float | None = None
-        remaining = len(children)
-        try:
-            while remaining:
-                child, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise _api_error(item) from item
-                if child.done:
-                    continue
-                now = time.perf_counter()
-                if item.new_token_ids:
-                    if first_token_time is None:
-                        first_token_time = now
-                    elif child.last_token_time is not None:
-                        self.metrics.observe_itl(now - child.last_token_time)
-                    child.last_token_time = now
-                    child.num_tokens += len(item.new_token_ids)
-                delta, stop_string = child.processor.push(item.new_token_ids)
-                reason = None if item.finish_reason is None else str(item.finish_reason)
-                if stop_string is not None and reason is None:
-                    reason = FinishReason.STOP.value
-                    await self.client.abort(child.request_id, FinishReason.STOP)
-                if reason is not None:
-                    if stop_string is None:
-                        tail = child.processor.finish()
-                        delta = _join(delta, tail)
-                    child.done = True
-                    remaining -= 1
-                    self.metrics.observe_finished(
-                        reason, prompt_tokens=len(prompt_ids) if child.index == 0 else 0,
-                        generated=child.num_tokens,
-                        ttft=None if first_token_time is None else first_token_time - arrival,
-                        e2e=now - arrival)
-                yield SequenceUpdate(index=child.index, delta=delta, token_ids=list(item.new_token_ids),
-                                     logprobs=list(item.logprobs), finish_reason=reason, stop_string=stop_string,
-                                     num_cached_tokens=item.num_cached_tokens, prompt_logprobs=item.prompt_logprobs)
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(BaseException):
-                    await task
-
-    async def _pump(self, child: _Child, params: SamplingParams, prompt_ids: list[int],
-                    queue: asyncio.Queue, priority: int) -> None:
-        """Forward one engine sequence's deltas into the shared queue (closing the stream aborts it)."""
-        stream = self.client.generate(child.request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids,
-                                      priority=priority)
-        try:
-            async for delta in stream:
-                queue.put_nowait((child, delta))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it as an ApiError
-            queue.put_nowait((child, exc))
-        finally:
-            await stream.aclose()
-
-
-def _api_error(exc: BaseException) -> BaseException:
-    if isinstance(exc, EngineRequestError):
-        return bad_request(str(exc))
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, "the engine process died; the server cannot serve requests", code="engine_dead")
-    return exc
-
-
-def _join(a: ParsedDelta, b: ParsedDelta) -> ParsedDelta:
-    if not b:
-        return a
-    return ParsedDelta(reasoning=a.reasoning + b.reasoning, content=a.content + b.content,
-                       tool_calls=a.tool_calls + b.tool_calls)
+        updates = self.output.generate(request_id, prompt_ids, params, make_processor, priority=priority)
+        async with contextlib.aclosing(updates):
+            try:
+                async for update in updates:
+                    yield update
+            except EngineRequestError as exc:
+                raise bad_request(str(exc)) from exc
+            except EngineDeadError as exc:
+                raise ApiError(503, "the engine process died; the server cannot serve requests",
+                               code="engine_dead") from exc
