@@ -14,7 +14,7 @@ from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.entrypoints.server.app import build_app, default_model_name
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.entrypoints.server.metrics import ServerMetrics
-from deltaserve.structured.backend import make_backend
+from deltaserve.structured.factory import make_backend
 from deltaserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
