@@ -93,7 +93,7 @@ class AsyncEngineClient:
         """Set when the engine process has exited (and every waiter has been failed)."""
         self._closed = asyncio.Event()
         """Set when `shutdown` has finished."""
-        self._output_fd = output_socket.getsockopt(zmq.FD)
+        self._output_fd: int = output_socket.fileno()
         self._finalizer = weakref.finalize(self, _kill_and_clean, process, socket_dir)
         self._loop.add_reader(self._output_fd, self._on_readable)
         self._loop.add_reader(process.sentinel, self._on_exit)

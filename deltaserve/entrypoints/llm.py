@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deltaserve.default_model import default_model_dir
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.engine.inproc_client import InprocEngineClient
@@ -45,8 +45,9 @@ class LLM:
         max_model_len: cap on prompt + output tokens (defaults to the model's own limit).
         seed: seed of the generator shared by unseeded sampling requests.
         structured_output_backend: "llguidance" (default) or "xgrammar", for `SamplingParams.structured`.
-        **engine_args: fields of `CacheConfig` (block_size, cache_memory, num_blocks, num_state_slots) and
-            `SchedulerConfig` (max_num_batched_tokens, max_num_seqs, policy, watchdog_timeout_s).
+        **engine_args: fields of `CacheConfig` (block_size, cache_memory, num_blocks, num_state_slots),
+            `SchedulerConfig` (max_num_batched_tokens, max_num_seqs, policy, watchdog_timeout_s) and
+            `ParallelConfig` (distributed_executor_backend: "uni", the default, or "mp" for a worker process).
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
@@ -56,15 +57,17 @@ class LLM:
             model = str(default_model_dir())
         cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
         sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-        unknown = set(engine_args) - cache_fields - sched_fields
+        parallel_fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+        unknown = set(engine_args) - cache_fields - sched_fields - parallel_fields
         if unknown:
             raise ValueError(f"unknown engine argument(s) {sorted(unknown)} "
-                             f"(supported: {sorted(cache_fields | sched_fields)})")
+                             f"(supported: {sorted(cache_fields | sched_fields | parallel_fields)})")
         config = EngineConfig(
             model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
             structured_output_backend=structured_output_backend,
             cache=CacheConfig(**{k: v for k, v in engine_args.items() if k in cache_fields}),
             scheduler=SchedulerConfig(**{k: v for k, v in engine_args.items() if k in sched_fields}),
+            parallel=ParallelConfig(**{k: v for k, v in engine_args.items() if k in parallel_fields}),
         )
         ModelConfig.from_pretrained(model)  # fail on a bad checkpoint config before reading anything else
         self.tokenizer = Tokenizer.from_pretrained(model)

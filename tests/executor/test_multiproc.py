@@ -103,3 +103,19 @@ def test_server_with_a_worker_process_serves_and_reports_its_death(tiny_dir, tmp
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
     finally:
         stop_server(server)
+
+
+def test_llm_on_a_worker_process_equals_in_process(path):
+    """Through `LLM`: greedy, seeded (n=2) and logprobs outputs identical with `distributed_executor_backend="mp"`."""
+    prompts = [prompt_ids(1024, n, seed=30 + n) for n in (4, 23, 57)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, logprobs=1),
+              SamplingParams(temperature=0.8, top_k=40, seed=3, n=2, max_tokens=10),
+              SamplingParams(temperature=0.0, max_tokens=6, stop=["a"])]
+    alone = LLM(model=path).generate(prompts, params)
+    mp = LLM(model=path, distributed_executor_backend="mp")
+    try:
+        together = mp.generate(prompts, params)
+    finally:
+        mp.engine.shutdown()
+    assert [[(o.token_ids, o.text, o.logprobs) for o in r.outputs] for r in together] == \
+        [[(o.token_ids, o.text, o.logprobs) for o in r.outputs] for r in alone]

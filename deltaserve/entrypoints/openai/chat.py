@@ -69,16 +69,16 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest) -> Rende
     tools = [ToolSpec(name=t.function.name, description=t.function.description or "",
                       parameters=t.function.parameters or {"type": "object", "properties": {}})
              for t in body.tools or ()]
-    choice = body.tool_choice or ("auto" if tools else "none")
+    requested = body.tool_choice or ("auto" if tools else "none")
     forced = None
-    if isinstance(choice, NamedToolChoice):
-        forced = choice.function.name
+    if isinstance(requested, NamedToolChoice):
+        forced = requested.function.name
         if forced not in {t.name for t in tools}:
             raise bad_request(f"tool_choice names the function {forced!r}, which is not in tools",
                               param="tool_choice")
-        choice = forced
-    elif choice == "required" and not tools:
+    elif requested == "required" and not tools:
         raise bad_request("tool_choice 'required' needs at least one tool", param="tool_choice")
+    choice: str = forced if forced is not None else str(requested)
     kwargs = body.chat_template_kwargs or {}
     # A prefill continues the answer: thinking is off unless asked for (which the formats then refuse).
     thinking = kwargs.get("thinking", kwargs.get("enable_thinking",

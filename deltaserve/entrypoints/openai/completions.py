@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -36,9 +36,7 @@ class CompletionPlan:
             raise bad_request("best_of other than n is not supported", param="best_of")
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
             raise bad_request(f"logprobs must be between 0 and 20, got {body.logprobs}", param="logprobs")
-        prompts = body.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(body.prompt)
         if not prompts:
             raise bad_request("prompt is empty", param="prompt")
         self.prompts: list[list[int]] = []
@@ -51,7 +49,7 @@ class CompletionPlan:
                 raise bad_request("prompt is empty", param="prompt")
             self.prompts.append(ids)
             untouched = isinstance(p, str) and body.truncate_prompt_tokens is None
-            self.texts.append(p if untouched else frontend.tokenizer.decode(ids))  # what echo shows
+            self.texts.append(p if untouched and isinstance(p, str) else frontend.tokenizer.decode(ids))  # for echo
         bad_words = frontend.bad_words_token_ids(body.bad_words)
         # OpenAI's echo with logprobs returns the prompt's logprobs too (how evaluation harnesses score text)
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
@@ -111,7 +109,7 @@ async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, A
     choices = []
     for i, c in enumerate(acc.choices):
         prefix = plan.texts[i // plan.n] if plan.echo else ""
-        choice = {"index": i, "text": prefix + c.content, "finish_reason": c.finish_reason,
+        choice: dict[str, Any] = {"index": i, "text": prefix + c.content, "finish_reason": c.finish_reason,
                   "stop_reason": c.stop_string, "logprobs": None}
         if body.logprobs is not None:
             choice["logprobs"] = completion_logprobs(frontend.tokenizer, c.logprobs, len(prefix),
@@ -183,3 +181,12 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
     finally:
         await stream.aclose()  # aborts sequences still running when the client went away mid-stream
     yield "data: [DONE]\n\n"
+
+
+def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """The API's `prompt` (one text, one token-id list, or a list of either) as a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):  # the element type tells the list's type
+        return [prompt]
+    return list(cast(list[str] | list[list[int]], prompt))

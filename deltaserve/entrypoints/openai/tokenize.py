@@ -11,7 +11,7 @@ from deltaserve.entrypoints.openai.chat import render_chat_prompt
 from deltaserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from deltaserve.entrypoints.server.frontend import Frontend
 
-TOKENIZE_REQUEST = TypeAdapter(Annotated[
+TOKENIZE_REQUEST: TypeAdapter[TokenizeChatRequest | TokenizeCompletionRequest] = TypeAdapter(Annotated[
     Annotated[TokenizeChatRequest, Tag("Chat")] | Annotated[TokenizeCompletionRequest, Tag("Text")],
     Discriminator(lambda body: "Chat" if isinstance(body, dict) and "messages" in body else "Text"),
 ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # OpenAI error `type` by status (what the official API and vLLM send).
@@ -18,13 +19,13 @@ class ApiError(Exception):
     """Raised anywhere in request handling; the app turns it into a JSON error response with `status`."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
 
     def openai_body(self) -> dict[str, Any]:
         """`{"error": {"message", "type", "param", "code"}}`."""
@@ -41,7 +42,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """(message, param) of pydantic validation errors, naming the field path of the most specific error.
 
     A value that fits no member of a union (message content that is a string or a list of blocks) gets one error per
@@ -56,7 +57,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return f"{param}: {first.get('msg', 'invalid value')}{more}" if param else first.get("msg", "invalid"), param
 
 
-def _field_path(error: dict[str, Any]) -> str | None:
+def _field_path(error: Mapping[str, Any]) -> str | None:
     return ".".join(str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_member(p)) or None
 
 
