@@ -130,8 +130,8 @@ class MultiprocExecutor:
             if conn in ready:
                 try:
                     return pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    pass  # closed: fall through to the exit status
+                except (EOFError, OSError):  # closed, or reset by the worker's death: report its exit status
+                    raise self._died(rank) from None
             if proc.sentinel in ready and not conn.poll():
                 raise self._died(rank)
 
