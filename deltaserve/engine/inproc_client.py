@@ -24,6 +24,7 @@ from deltaserve.engine.core_proc import MAX_FAILED_STEPS, engine_info
 from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.protocol import EngineDeadError, EngineRequestError
 from deltaserve.engine.stats import EngineStats
+from deltaserve.executor.base import WorkerDiedError
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
 
@@ -183,7 +184,7 @@ class InprocEngineClient:
         self._idle_steps = 0
         for out in self.core.fail_unfinished(message):
             self._route(out, cause=exc if out.error == message else None)
-        if self._failed_steps >= MAX_FAILED_STEPS:
+        if self._failed_steps >= MAX_FAILED_STEPS or isinstance(exc, WorkerDiedError):  # a dead worker: no model
             self._die(f"the engine failed: {message}")
 
     def _route(self, out: EngineCoreOutput, cause: BaseException | None = None) -> None:

@@ -119,3 +119,20 @@ def test_llm_on_a_worker_process_equals_in_process(path):
         mp.engine.shutdown()
     assert [[(o.token_ids, o.text, o.logprobs) for o in r.outputs] for r in together] == \
         [[(o.token_ids, o.text, o.logprobs) for o in r.outputs] for r in alone]
+
+
+def test_llm_raises_a_dead_worker_and_stays_dead(path):
+    """`LLM` on a worker process whose worker is killed after the first step: generate raises the executor's
+    WorkerDiedError (exit status -9), and every later call says the engine is dead instead of hanging."""
+    from deltaserve.engine.protocol import EngineDeadError
+
+    llm = LLM(model=path, distributed_executor_backend="mp")
+    (pid,) = llm.engine.executor.pids
+    llm.engine.step_observer = lambda out, seconds: os.kill(pid, signal.SIGKILL)  # after the step that ran
+    try:
+        with pytest.raises(WorkerDiedError, match="exit status -9"):
+            llm.generate([prompt_ids(1024, 8, seed=5)], SamplingParams(temperature=0.0, max_tokens=20))
+        with pytest.raises(EngineDeadError):
+            llm.generate([prompt_ids(1024, 8, seed=6)], SamplingParams(temperature=0.0, max_tokens=5))
+    finally:
+        llm.engine.shutdown()
