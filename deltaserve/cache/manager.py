@@ -206,11 +206,13 @@ class CacheManager:
         held.scratch = [self.slots.take(SCRATCH) for _ in range(num_proposed)]
         return held.scratch
 
-    def commit_proposed(self, request_id: str, num_accepted: int) -> None:
-        """After a speculative step kept `num_accepted` proposed tokens: the state after them becomes the request's
-        running state (by exchanging slot ids, no copy) and every scratch slot is released. KV rows written for the
-        rejected tokens lie past `num_computed_tokens`; they are overwritten when those positions are computed."""
-        held = self._held[request_id]
+    def commit_proposed(self, request: Request, num_accepted: int) -> None:
+        """After a speculative step kept `num_accepted` proposed tokens (`request.num_computed_tokens` already
+        counts them): the state after them becomes the request's running state (by exchanging slot ids, no copy),
+        every scratch slot is released, and so are the blocks that only held rejected tokens. KV rows of rejected
+        tokens in a kept block lie past `num_computed_tokens`; they are overwritten when those positions are
+        computed."""
+        held = self._held[request.request_id]
         scratch, held.scratch = held.scratch, []
         if num_accepted < len(scratch):  # the running slot ran past the accepted tokens: take the scratch state
             kept = scratch[num_accepted]
@@ -218,6 +220,10 @@ class CacheManager:
             scratch[num_accepted], held.slot = held.slot, kept
         for slot in scratch:
             self.slots.free(slot)
+        keep = max(self.blocks_for(request.num_computed_tokens), held.num_registered)
+        if len(held.blocks) > keep:
+            self.blocks.free(held.blocks[keep:][::-1])
+            del held.blocks[keep:]
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 

@@ -57,6 +57,7 @@ class InprocEngineClient:
         self._streams: dict[str, _Stream] = {}
         self._driver: asyncio.Task[None] | None = None
         self._dead_reason: str | None = None
+        self._shut_down = False
         self._failed_steps = 0
         self._idle_steps = 0
         self._prompt_tokens = 0
@@ -141,12 +142,14 @@ class InprocEngineClient:
     async def shutdown(self) -> None:
         """Fail the requests in flight with EngineDeadError, wait for the driver to stop, release the core.
         Idempotent."""
-        if self._dead_reason is not None:
+        if self._shut_down:
             return
-        self._die("the engine was shut down")
+        self._shut_down = True
+        if self._dead_reason is None:
+            self._die("the engine was shut down")
         if self._driver is not None:
             await asyncio.wait([self._driver])  # it stops at its next check of `_dead_reason`
-        self.core.shutdown()
+        self.core.shutdown()  # also after the client died of failed steps: its worker processes must still go
 
     # -- the driver ----------------------------------------------------------------------------------------------
 

@@ -205,7 +205,14 @@ class OutputProcessor:
                     return
 
     def _update(self, seq: SequenceState, out: EngineCoreOutput) -> SequenceUpdate:
-        delta, stop_string = seq.processor.push(out.new_token_ids)
+        delta, stop_string = seq.processor.push(out.new_token_ids[:1])
+        for i, token in enumerate(out.new_token_ids[1:], start=1):  # several tokens (a speculative step)
+            if stop_string is not None:  # the text was cut at the stop string: so are the tokens and logprobs
+                out = msgspec.structs.replace(out, new_token_ids=out.new_token_ids[:i], logprobs=out.logprobs[:i],
+                                              finish_reason=None)  # it ends by the stop string, not a later token
+                break
+            more, stop_string = seq.processor.push([token])
+            delta = _join(delta, more)
         reason: str | None = None if out.finish_reason is None else out.finish_reason.value
         if stop_string is not None and reason is None:
             reason = FinishReason.STOP.value

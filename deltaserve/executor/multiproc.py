@@ -47,6 +47,8 @@ class MultiprocExecutor:
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         self._closed = False
+        self._broken: str | None = None
+        """Why the workers can no longer be used (a worker died); `shutdown` still stops the others."""
         log_level = logging.getLogger("deltaserve").getEffectiveLevel()
         with _allow_children():
             for rank in range(self.world_size):
@@ -103,8 +105,8 @@ class MultiprocExecutor:
 
     def _call(self, method: str, *args: Any) -> Any:
         """Broadcast one call; rank 0's result once every rank has answered."""
-        if self._closed:
-            raise WorkerDiedError("the workers were shut down")
+        if self._closed or self._broken is not None:
+            raise WorkerDiedError(self._broken or "the workers were shut down")
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, conn in enumerate(self._conns):
             try:
@@ -114,13 +116,16 @@ class MultiprocExecutor:
         return self._gather()[0]
 
     def _gather(self) -> list[Any]:
-        """One answer per rank, in rank order; WorkerDiedError / WorkerError as they come."""
-        results = []
+        """One answer per rank, in rank order. Every rank's answer is read before a failing rank's WorkerError is
+        raised, so the next call's answers are not mistaken for this one's; WorkerDiedError at once."""
+        results, error = [], None
         for rank in range(self.world_size):
             status, value, trace = self._receive(rank)
-            if status == "error":
-                raise WorkerError(f"worker {rank}: {value}", trace)
+            if status == "error" and error is None:
+                error = WorkerError(f"worker {rank}: {value}", trace)
             results.append(value)
+        if error is not None:
+            raise error
         return results
 
     def _receive(self, rank: int) -> tuple[str, Any, str]:
@@ -138,8 +143,8 @@ class MultiprocExecutor:
     def _died(self, rank: int) -> WorkerDiedError:
         proc = self._procs[rank]
         proc.join(5)
-        self._closed = True
-        return WorkerDiedError(f"worker process {rank} (pid {proc.pid}) died with exit status {proc.exitcode}")
+        self._broken = f"worker process {rank} (pid {proc.pid}) died with exit status {proc.exitcode}"
+        return WorkerDiedError(self._broken)
 
 
 def run_worker(config: EngineConfig, rank: int, conn: multiprocessing.connection.Connection, log_level: int) -> None:

@@ -112,13 +112,19 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, n, scheduled):
-                chunk = self._proposed_chunk(request, budget) if request.spec_token_ids else None
-                chunk = chunk or self._chunk(request, n)
-                chunks.append(chunk)
+                chunks.append(self._chunk(request, n))
                 scheduled.add(request.request_id)
-                budget -= len(chunk.new_token_ids)
+                budget -= n
             else:
                 preempted = True
+        # Proposals only once every running request has its blocks, from what is left: they never preempt.
+        for i, chunk in enumerate(chunks):
+            request = self.requests[chunk.request_id]
+            if budget > 0 and request.spec_token_ids and request.status is RequestStatus.RUNNING:
+                proposed = self._proposed_chunk(request, budget + len(chunk.new_token_ids))
+                if proposed is not None:
+                    chunks[i] = proposed
+                    budget -= proposed.num_proposed
         if not preempted:
             budget = self._admit_waiting(budget, chunks, scheduled)
         self._watch()
@@ -154,7 +160,7 @@ class Scheduler:
             accepted = len(tokens) - 1
             request.num_computed_tokens += len(chunk.new_token_ids) - chunk.num_proposed + accepted
             if chunk.num_proposed:
-                self.cache.commit_proposed(request.request_id, accepted)
+                self.cache.commit_proposed(request, accepted)
             self.cache.commit(request)
             events.append(StepEvent(request, tokens, reason))
             if reason is not None:

@@ -79,7 +79,7 @@ def requests():
     return reqs
 
 
-@pytest.mark.parametrize("cache", [dict(), dict(num_blocks=9, num_state_slots=3)], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("cache", [dict(), dict(num_blocks=6, num_state_slots=3)], ids=["roomy", "preempting"])
 def test_proposals_give_plain_outputs_and_free_everything(path, requests, cache):
     plain = run(EngineCore(config(path, **cache)), requests)
     proposer = ReplayProposer(plain, seed=1)

@@ -139,6 +139,37 @@ def test_stop_string_aborts_with_stop_and_cuts_the_text(tok):
     assert client.closed == ["r"]
 
 
+class BurstClient(ScriptedClient):
+    """Delivers each request's tokens `per_step` at a time (a speculative step), with logprob markers."""
+
+    per_step = 3
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0
+                       ) -> AsyncGenerator[EngineCoreOutput, None]:
+        ids = self.tokens[request_id]
+        for i in range(0, len(ids), self.per_step):
+            part = ids[i:i + self.per_step]
+            yield EngineCoreOutput(request_id=request_id, new_token_ids=part, logprobs=[None] * len(part),
+                                   finish_reason=FinishReason.LENGTH if i + self.per_step >= len(ids) else None)
+
+
+@pytest.mark.parametrize("stop", ["four", "eight", "one"])
+def test_a_stop_string_inside_a_multi_token_output_cuts_its_tokens(tok, stop):
+    """When a stop string ends inside a step's several tokens, the tokens (and logprobs) after the one that
+    completed it are dropped with the text, and the reason is 'stop' (or the engine's, when the stop string ends
+    on the last token): the same as one token per step."""
+    ids = tok.encode(TEXT)
+    params = SamplingParams(stop=[stop], max_tokens=len(ids))
+    plain = run_all(OutputProcessor(ScriptedClient({"r": ids}), eos_token_ids=frozenset()), tok, params)
+    burst = run_all(OutputProcessor(BurstClient({"r": ids}), eos_token_ids=frozenset()), tok, params)
+    assert [t for u in burst for t in u.token_ids] == [t for u in plain for t in u.token_ids]
+    assert sum(len(u.logprobs) for u in burst) == sum(len(u.token_ids) for u in burst)
+    assert joined(burst, 0) == joined(plain, 0)
+    assert (burst[-1].finish_reason, burst[-1].stop_string) == (plain[-1].finish_reason, stop)
+    assert stop == "eight" or burst[-1].finish_reason == "stop"  # "eight" ends the text: the engine's LENGTH
+
+
 def test_an_engine_error_ends_every_sequence(tok):
     """One sequence's EngineRequestError is raised to the caller and closes the other sequence's stream."""
     client = ScriptedClient({}, errors={"r-1": "grammar failed"})

@@ -136,3 +136,27 @@ def test_llm_raises_a_dead_worker_and_stays_dead(path):
             llm.generate([prompt_ids(1024, 8, seed=6)], SamplingParams(temperature=0.0, max_tokens=5))
     finally:
         llm.engine.shutdown()
+
+
+def test_a_client_that_died_of_failed_steps_still_stops_its_worker_on_shutdown(path, monkeypatch):
+    import asyncio
+
+    from deltaserve.engine.inproc_client import InprocEngineClient
+    from deltaserve.engine.protocol import EngineDeadError, EngineRequestError
+
+    core = EngineCore(config(path, "mp"))
+    monkeypatch.setattr(core.executor, "execute_model", lambda out: (_ for _ in ()).throw(RuntimeError("boom")))
+    client = InprocEngineClient(core)
+
+    async def scenario() -> None:
+        for i in range(3):  # MAX_FAILED_STEPS failing steps kill the client
+            with pytest.raises((EngineRequestError, EngineDeadError)):
+                async for _ in client.generate(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2)):
+                    pass
+        assert not client.is_alive
+        await client.shutdown()
+
+    asyncio.run(scenario())
+    proc = core.executor._procs[0]
+    proc.join(10)
+    assert not proc.is_alive()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.state_pool import SCRATCH
 from deltaserve.config import SchedulerConfig
@@ -105,3 +107,25 @@ def test_rejected_proposal_rolls_the_state_slot_back():
     assert req.num_computed_tokens == 5 + 2  # prompt, first token, the accepted proposal
     assert sched.cache.slot("a") == scratch[1]  # the state after 2 of the step's tokens
     assert sched.cache.slots.num_free_of(SCRATCH) == 2 * K
+
+
+@pytest.mark.parametrize("num_blocks", [4, 5])
+def test_proposals_never_preempt_and_rejected_blocks_are_released(num_blocks):
+    """Proposals take only blocks left once every running request has its own: two requests of 4 + 1 tokens hold
+    2 blocks of 4 each, so with 4 blocks wrong proposals for `a` get none (and `b` is not preempted), with 5 they get
+    the free one; after their rejection `a` holds only the blocks of its computed tokens."""
+    sched, runner = make(num_blocks=num_blocks, num_slots=2, budget=64), FakeRunner()
+    a, b = make_request("a", prompt_len=4, max_tokens=8, seed=1), make_request("b", prompt_len=4, max_tokens=8, seed=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.update_from_output(out := sched.schedule(), runner.execute(out))  # both prefills + first tokens
+    a.spec_token_ids = [1999, 1998, 1997, 1996]  # wrong: outside the fake model's vocabulary
+    out = sched.schedule()
+    assert sched.num_preemptions == 0 and {c.request_id for c in out.chunks} == {"a", "b"}
+    (chunk,) = [c for c in out.chunks if c.request_id == "a"]
+    assert chunk.num_proposed == (0 if num_blocks == 4 else 4)
+    sched.update_from_output(out, runner.execute(out))
+    assert len(sched.cache.block_ids("a")) == sched.cache.blocks_for(a.num_computed_tokens)
+    run(sched, runner, random.Random(3))
+    assert a.output_token_ids == expected_output(a) and b.output_token_ids == expected_output(b)
+    assert sched.cache.usage().num_free_blocks == num_blocks
