@@ -122,6 +122,12 @@ class EngineCore:
         """Stop the workers (idempotent)."""
         self.executor.shutdown()
 
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block until every grammar still compiling is ready (or `timeout_s` passes). For an offline batch: its
+        constrained requests then join the first step with the others, so the batches, and with them every float
+        of the results, do not depend on how fast a compile thread ran."""
+        self.structured.wait(timeout_s, every=True)
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError for an empty, out-of-vocabulary or too long prompt."""
         if not prompt_token_ids:

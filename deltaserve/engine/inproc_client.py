@@ -36,6 +36,9 @@ __all__ = ["InprocEngineClient"]
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_WAIT_S = 10.0
+"""At most this long, when the driver starts (a batch of requests was added), it waits for their grammars to
+compile, so that an offline batch is scheduled the same way however fast the compile threads run."""
 MAX_IDLE_STEPS = 10_000
 """Steps in a row that may produce nothing before the requests in flight are failed (a scheduler that cannot make
 progress; see the watchdog log)."""
@@ -156,6 +159,8 @@ class InprocEngineClient:
     async def _drive(self) -> None:
         """Step while the core has unfinished requests; yield to the loop after each step."""
         try:
+            # The requests added with the one that started the driver are in: let their grammars compile first.
+            self.core.wait_for_grammars(GRAMMAR_WAIT_S)
             while self._dead_reason is None and self.core.has_unfinished_requests():
                 self._step()
                 await asyncio.sleep(0)

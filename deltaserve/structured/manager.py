@@ -85,11 +85,12 @@ class StructuredOutputManager:
         entry[1].cancel()
         return entry[0]
 
-    def wait(self, timeout: float) -> None:
-        """Block until some compile finishes or `timeout` seconds pass (for an engine with nothing else to run)."""
+    def wait(self, timeout: float, *, every: bool = False) -> None:
+        """Block until some compile (`every`: every compile) finishes or `timeout` seconds pass."""
         if self._pending:
             futures = [f for _, f in self._pending.values()]
-            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.ALL_COMPLETED if every
+                                    else concurrent.futures.FIRST_COMPLETED)
 
     def take_finished(self) -> tuple[list[tuple[Request, Grammar]], list[tuple[Request, str]]]:
         """Requests whose compile ended, in submission order: the compiled ones with their grammar and the failed
