@@ -35,7 +35,7 @@ class EngineStats:
     forward_seconds: float = 0.0
     """Of which the model forward (cumulative)."""
     prompt_tokens: int = 0
-    """Prompt tokens of accepted requests (cumulative). Counted by the engine process loop (`core_proc`); 0 when
-    `EngineCore` is driven in-process."""
+    """Prompt tokens of accepted requests (cumulative). Counted by the client loop that drives the `EngineCore`
+    (`core_proc`, or `InprocEngineClient`); 0 from `EngineCore.get_stats` itself."""
     generation_tokens: int = 0
-    """Tokens generated (cumulative). Counted by the engine process loop (`core_proc`); 0 in-process."""
+    """Tokens generated (cumulative). Counted like `prompt_tokens`."""
