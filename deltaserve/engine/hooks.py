@@ -105,7 +105,8 @@ class ProposerHook:
             proposals = self.proposer.propose(decoding)
             k = self.proposer.num_speculative_tokens
             for request in decoding:
-                request.spec_token_ids = list(proposals.get(request.request_id, ()))[:k]
+                proposal = proposals.get(request.request_id)
+                request.spec_token_ids = list(proposal.token_ids[:k]) if proposal is not None else []
         return []
 
     def after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:

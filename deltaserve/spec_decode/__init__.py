@@ -1,5 +1,5 @@
 """Speculative decoding: proposers of next tokens, verified by the target model in a multi-token step."""
 
-from deltaserve.spec_decode.proposer import Proposer
+from deltaserve.spec_decode.proposer import Proposal, Proposer
 
-__all__ = ["Proposer"]
+__all__ = ["Proposal", "Proposer"]

@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from deltaserve.request import Request
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """The proposed next tokens of one request and, for drafts sampled from a distribution, that distribution."""
+
+    token_ids: list[int]
+    """Tokens continuing the request's `prompt_token_ids + output_token_ids`, at most `num_speculative_tokens`."""
+    probs: torch.Tensor | None = None
+    """``[len(token_ids), vocab]`` fp32 CPU: the distribution each token was drawn from (rejection sampling accepts
+    token j with probability min(1, p/q)). None: the tokens are deterministic (n-gram lookup, greedy drafts), verified
+    by sampling the target as plain decoding would and accepting while it agrees."""
 
 
 class Proposer(Protocol):
     """Proposes up to `num_speculative_tokens` next tokens per request, before each step.
 
     The engine asks only for running requests whose next step is a decode (every known token but the last is
-    computed) and that no grammar constrains. A request may get fewer or no proposals: its step is then a plain
-    decode. The target model verifies proposals in the same step, so a proposer never changes what is generated.
+    computed). A request may get fewer or no proposals: its step is then a plain decode. The target model verifies
+    proposals in the same step, so a proposer never changes what greedy decoding generates, nor the distribution of
+    sampled outputs.
     """
 
     @property
@@ -21,7 +38,16 @@ class Proposer(Protocol):
         """The most tokens proposed for one request in one step (sizes the scratch state slots)."""
         ...
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
-        """Proposed next tokens by request id (missing or empty: none); they continue the request's
-        `prompt_token_ids + output_token_ids`."""
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory the proposer holds (a draft model's weights and caches; 0 for a lookup): the engine takes it
+        out of the cache budget and logs it."""
+        ...
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, Proposal]:
+        """Proposals by request id (missing or empty: none)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted: drop what the proposer keeps for it (unknown ids are ignored)."""
         ...

@@ -13,6 +13,7 @@ from deltaserve.cache.state_pool import SCRATCH
 from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.request import Request
+from deltaserve.spec_decode import Proposal
 from deltaserve.sampling_params import SamplingParams
 from tests.helpers import prompt_ids
 
@@ -23,12 +24,16 @@ class ReplayProposer:
     """Proposes the next tokens of a recorded run: sometimes all right, sometimes one wrong, sometimes nothing."""
 
     num_speculative_tokens = K
+    memory_bytes = 0
 
     def __init__(self, recorded: dict[str, list[int]], seed: int) -> None:
         self.recorded, self.rng = recorded, random.Random(seed)
         self.proposed = 0
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, Proposal]:
         out = {}
         for r in requests:
             truth = self.recorded[r.request_id][len(r.output_token_ids):]
@@ -37,7 +42,7 @@ class ReplayProposer:
             if proposal and self.rng.random() < 0.5:
                 proposal[self.rng.randrange(len(proposal))] += 1  # wrong on purpose
             self.proposed += len(proposal)
-            out[r.request_id] = proposal
+            out[r.request_id] = Proposal(proposal)
         return out
 
 
@@ -101,11 +106,11 @@ def test_zero_proposals_after_an_accepted_step_commit_the_state(path, requests):
     plain = run(EngineCore(config(path)), {"a": (prompt, params)})
 
     class Alternating(ReplayProposer):
-        def propose(self, reqs: Sequence[Request]) -> dict[str, list[int]]:
+        def propose(self, reqs: Sequence[Request]) -> dict[str, Proposal]:
             self.calls = getattr(self, "calls", 0) + 1
             if self.calls % 2 == 0:
                 return {}
-            return {r.request_id: self.recorded[r.request_id][len(r.output_token_ids):][:K] for r in reqs}
+            return {r.request_id: Proposal(self.recorded[r.request_id][len(r.output_token_ids):][:K]) for r in reqs}
 
     core = EngineCore(config(path), proposer=Alternating(plain, seed=0))
     assert run(core, {"a": (prompt, params)}) == plain
