@@ -5,6 +5,7 @@ from deltaserve.config.fields import ConfigError
 from deltaserve.config.model import ActivationConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
 from deltaserve.config.quantization import QuantizationConfig
 from deltaserve.config.server import ServerConfig
+from deltaserve.config.speculative import SpeculativeConfig
 
 __all__ = [
     "ActivationConfig",
@@ -19,5 +20,6 @@ __all__ = [
     "ParallelConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "SpeculativeConfig",
     "parse_memory",
 ]

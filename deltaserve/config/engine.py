@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from deltaserve.config.fields import check_field_types
+from deltaserve.config.speculative import SpeculativeConfig
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -134,6 +135,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (`--speculative-config` JSON, vLLM's keys); none: plain decoding."""
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -1,0 +1,107 @@
+"""`SpeculativeConfig`: which proposer drafts the next tokens, and how many (vLLM's `--speculative-config` JSON).
+
+Each error is one line naming its field (`speculative_config.num_speculative_tokens must be ...`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+MAX_SPECULATIVE_TOKENS = 16
+"""Most proposed tokens per step: each one costs a scratch state slot per running sequence."""
+MAX_PROMPT_LOOKUP = 64
+"""Longest n-gram the prompt lookup matches (longer n-grams almost never recur, and cost search time)."""
+DEFAULT_PROMPT_LOOKUP = 5
+"""vLLM's default for both n-gram bounds when neither is given."""
+
+_NGRAM_ONLY = ("prompt_lookup_min", "prompt_lookup_max")
+_DRAFT_ONLY = ("model", "draft_sample_method")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts up to `num_speculative_tokens` tokens per decoding request before
+    each step, and the target model verifies them in that step (outputs are unchanged)."""
+
+    method: str
+    """'ngram' (prompt lookup: the tokens that followed an earlier occurrence of the context's last n tokens) or
+    'draft_model' (a small model of the same tokenizer drafts them)."""
+    num_speculative_tokens: int
+    """Most tokens proposed per request and step, 1..16."""
+    model: str | None = None
+    """draft_model only: the draft checkpoint directory (default: the embedded draft model)."""
+    prompt_lookup_min: int | None = None
+    """ngram only: shortest n-gram matched. vLLM's rule: if only one bound is given the other equals it; with
+    neither, both are 5."""
+    prompt_lookup_max: int | None = None
+    """ngram only: longest n-gram matched (tried first), at most 64."""
+    draft_sample_method: str | None = None
+    """draft_model only: 'probabilistic' (default: drafts sampled at the request's temperature, verified by
+    rejection sampling) or 'greedy' (drafts are the draft model's argmax). Greedy requests always draft greedily."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(_err("method", f"must be one of {', '.join(repr(m) for m in METHODS)}", self.method))
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        not_for = _DRAFT_ONLY if self.method == "ngram" else _NGRAM_ONLY
+        for name in not_for:
+            if getattr(self, name) is not None:
+                raise ValueError(f"speculative_config.{name} does not apply to method {self.method!r}")
+        if self.method == "ngram":
+            for name in _NGRAM_ONLY:
+                if getattr(self, name) is not None:
+                    _check_int(name, getattr(self, name), 1, MAX_PROMPT_LOOKUP)
+            lo = self.prompt_lookup_min if self.prompt_lookup_min is not None else (
+                self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP)
+            hi = self.prompt_lookup_max if self.prompt_lookup_max is not None else lo
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            if self.model is not None and (not isinstance(self.model, str) or not self.model):
+                raise ValueError(_err("model", "must be a checkpoint directory (a non-empty string)", self.model))
+            method = self.draft_sample_method or "probabilistic"
+            if method not in DRAFT_SAMPLE_METHODS:
+                raise ValueError(_err("draft_sample_method", "must be 'greedy' or 'probabilistic'", method))
+            object.__setattr__(self, "draft_sample_method", method)
+
+    @classmethod
+    def from_json(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """Parse a JSON object (text or an already decoded dict), as given to `--speculative-config`.
+
+        Unknown keys, wrong types and bad values raise a one-line ValueError naming the field."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r:.60}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {', '.join(map(repr, unknown))} "
+                             f"(supported: {', '.join(known)})")
+        for required in ("method", "num_speculative_tokens"):
+            if required not in value:
+                raise ValueError(f"speculative_config.{required} is required")
+        for name in ("method", "model", "draft_sample_method"):
+            if name in value and value[name] is not None and not isinstance(value[name], str):
+                raise ValueError(_err(name, "must be a string", value[name]))
+        return cls(**value)
+
+
+def _err(name: str, rule: str, value: Any) -> str:
+    return f"speculative_config.{name} {rule}, got {value!r:.60}"
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(_err(name, f"must be an integer in {lo}..{hi}", value))
