@@ -54,9 +54,16 @@ class OfflineBenchArgs:
     """Report the share of the decode roofline (bytes per step / bandwidth) reached by deltaserve's decode steps."""
     peak_bandwidth_gbs: float | None = None
     """Memory bandwidth ceiling in GB/s for the roofline (default: known figure for the GPU, else measured)."""
+    speculative_config: str | None = None
+    """deltaserve's speculative decoding, as JSON with vLLM's keys ('{"method": "ngram", "num_speculative_tokens":
+    3}'); the result then has its acceptance counters."""
 
     def __post_init__(self) -> None:
+        from deltaserve.config import SpeculativeConfig
         from deltaserve.utils.cli_args import check_at_least_one
+
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_json(self.speculative_config)  # a bad config fails before any work
 
         check_at_least_one(self, "num_prompts", "input_len", "output_len", "max_num_batched_tokens")
 
@@ -78,7 +85,7 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
     from deltaserve.sampling_params import SamplingParams
 
     llm = LLM(model=model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, args.num_prompts),
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=args.speculative_config)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # Warm-up (both engines alike): two other full-length prompts, a few tokens each, so first-use costs are not
     # timed (other prompts, so that prefix caching, on as by default, gets no hits from them).
@@ -100,6 +107,11 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     result: dict[str, Any] = {"seconds": elapsed, "output_tokens": num_out, "output_throughput": num_out / elapsed,
                               "engine_overhead_share": 1 - forward / total, "frontend_share": 1 - total / elapsed}
+    if args.speculative_config is not None:  # counters since start-up: the warm-up's few steps included
+        stats = llm.engine.get_stats()
+        result["spec_decode"] = {"num_drafts": stats.spec_num_drafts, "num_draft_tokens": stats.spec_num_draft_tokens,
+                                 "num_accepted_tokens": stats.spec_num_accepted_tokens,
+                                 "accepted_per_pos": list(stats.spec_accepted_per_pos)}
     if args.roofline:
         from deltaserve.executor.uniproc import UniprocExecutor
 
@@ -169,6 +181,11 @@ def run(args: OfflineBenchArgs) -> dict[str, Any]:
     print(f"deltaserve:   {ours['output_throughput']:8.1f} output tok/s ({ours['seconds']:.2f} s); "
           f"{ours['engine_overhead_share']:.1%} of engine step time outside the model forward, "
           f"{ours['frontend_share']:.1%} of wall time in the frontend", flush=True)
+    if "spec_decode" in ours:
+        sd = ours["spec_decode"]
+        print(f"speculative decoding: {sd['num_accepted_tokens']} of {sd['num_draft_tokens']} proposed tokens "
+              f"accepted over {sd['num_drafts']} drafts (mean acceptance length "
+              f"{1 + sd['num_accepted_tokens'] / max(sd['num_drafts'], 1):.2f})", flush=True)
     if "roofline" in ours:
         r = ours["roofline"]
         print(f"decode roofline: {r['share']:.1%} over {r['decode_steps']} decode steps (mean batch "

@@ -25,6 +25,8 @@ from deltaserve.request import FinishReason, Request
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.output import SchedulerOutput
 from deltaserve.scheduler.scheduler import Scheduler
+from deltaserve.spec_decode.factory import make_proposer
+from deltaserve.spec_decode.metrics import SpecDecodeStats
 from deltaserve.spec_decode.proposer import Proposer
 from deltaserve.structured.manager import StructuredOutputManager
 from deltaserve.text.tokenizer import Tokenizer
@@ -61,6 +63,8 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.executor: Executor = make_executor(config)
         try:
+            if proposer is None and config.speculative_config is not None:
+                proposer = make_proposer(config.speculative_config, config)
             self._plan_cache(proposer)
         except BaseException:
             self.executor.shutdown()
@@ -203,6 +207,7 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         """A snapshot for metrics (named `get_stats` because `self.stats` holds the step timings)."""
         usage, prefix = self.cache.usage(), self.cache.prefix_stats()
+        spec = next((h.stats for h in self.hooks if isinstance(h, ProposerHook)), SpecDecodeStats())
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=usage.num_blocks - usage.num_free_blocks, kv_blocks_total=usage.num_blocks,
@@ -210,6 +215,8 @@ class EngineCore:
             prefix_queried_tokens=prefix.queried_tokens, prefix_hit_tokens=prefix.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, steps=self.stats.steps,
             step_seconds=self.stats.total_seconds, forward_seconds=self.stats.forward_seconds,
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=tuple(spec.accepted_per_pos),
         )
 
     def step(self) -> list[EngineCoreOutput]:

@@ -16,6 +16,7 @@ from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.request import FinishReason
 from deltaserve.scheduler.output import SchedulerOutput
 from deltaserve.scheduler.scheduler import Scheduler, StepEvent
+from deltaserve.spec_decode.metrics import SpecDecodeStats
 from deltaserve.spec_decode.proposer import Proposer
 from deltaserve.structured.backend import Grammar
 from deltaserve.structured.manager import StructuredOutputManager
@@ -97,6 +98,10 @@ class ProposerHook:
 
     def __init__(self, scheduler: Scheduler, proposer: Proposer) -> None:
         self.scheduler, self.proposer = scheduler, proposer
+        self.stats = SpecDecodeStats()
+        """Acceptance counters (vLLM's spec-decode metrics), read by `EngineCore.get_stats`."""
+        self._verifying: dict[str, list[int]] = {}
+        """This step's proposed tokens by request id, as scheduled."""
 
     def before_schedule(self) -> list[EngineCoreOutput]:
         decoding = [r for r in self.scheduler.running
@@ -110,7 +115,20 @@ class ProposerHook:
         return []
 
     def after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+        self._verifying = {c.request_id: c.new_token_ids[-c.num_proposed:] for c in out.chunks if c.num_proposed}
         return out
 
     def after_update(self, events: list[StepEvent]) -> dict[str, str]:
+        for e in events:
+            proposed = self._verifying.get(e.request.request_id)
+            if proposed:
+                # Accepted: the leading tokens equal to the proposal (a sample equal to a proposed token is its
+                # acceptance), counted on the tokens themselves so that a stop inside them still counts right.
+                accepted = 0
+                for token, proposal in zip(e.tokens, proposed, strict=False):
+                    if token.token_id != proposal:
+                        break
+                    accepted += 1
+                self.stats.observe(len(proposed), accepted)
+        self._verifying = {}
         return {}

@@ -39,3 +39,11 @@ class EngineStats:
     (`core_proc`, or `InprocEngineClient`); 0 from `EngineCore.get_stats` itself."""
     generation_tokens: int = 0
     """Tokens generated (cumulative). Counted like `prompt_tokens`."""
+    spec_num_drafts: int = 0
+    """Speculative decoding: request-steps that verified at least one proposed token (cumulative)."""
+    spec_num_draft_tokens: int = 0
+    """Proposed tokens verified (cumulative)."""
+    spec_num_accepted_tokens: int = 0
+    """Proposed tokens accepted (cumulative)."""
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    """Index j: drafts whose proposed token j was accepted (cumulative)."""

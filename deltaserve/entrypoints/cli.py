@@ -22,7 +22,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine_args = {f.name: getattr(args, f.name) for cls in (CacheConfig, SchedulerConfig)
                    for f in dataclasses.fields(cls)}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device,
-              **engine_args)
+              speculative_config=args.speculative_config, **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     out = llm.generate(args.prompt, params)[0].outputs[0]
@@ -33,11 +33,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from deltaserve import envs
-    from deltaserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, ServerConfig
+    from deltaserve.config import (
+        CacheConfig,
+        EngineConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        ServerConfig,
+        SpeculativeConfig,
+    )
     from deltaserve.entrypoints.server.launch import run
     from deltaserve.utils.cli_args import dataclass_from_args
 
     server = dataclass_from_args(ServerConfig, args)
+    spec = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config is not None else None
     model = args.model
     if model is None:  # the embedded default model
         import dataclasses
@@ -56,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
                           structured_output_backend=args.structured_output_backend, num_threads=args.num_threads,
                           cache=dataclass_from_args(CacheConfig, args),
                           scheduler=dataclass_from_args(SchedulerConfig, args),
-                          parallel=dataclass_from_args(ParallelConfig, args))
+                          parallel=dataclass_from_args(ParallelConfig, args), speculative_config=spec)
     return run(engine, server, log_level=args.log_level)
 
 
@@ -107,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
     add_dataclass_args(engine, SchedulerConfig)
     add_dataclass_args(engine, ParallelConfig)
+    _add_speculative_arg(engine)
     srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -123,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine = gen.add_argument_group("engine (help generated from the config dataclasses)")
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
     add_dataclass_args(engine, SchedulerConfig)
+    _add_speculative_arg(engine)
     gen.set_defaults(func=_generate)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Kimi Linear or Kimi K3 checkpoint (no network needed)")
@@ -145,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(bench_sub)
     sweep.add_parser(bench_sub)
     return parser
+
+
+def _add_speculative_arg(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, vLLM\'s JSON keys: method ("ngram" or "draft_model"), '
+                            "num_speculative_tokens (1..16), prompt_lookup_min / prompt_lookup_max (ngram; default "
+                            "5), model and draft_sample_method (draft_model), e.g. "
+                            '\'{"method": "ngram", "num_speculative_tokens": 3}\' (default: none)')
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,14 @@ import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from deltaserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from deltaserve.default_model import default_model_dir
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.engine.inproc_client import InprocEngineClient
@@ -45,6 +52,8 @@ class LLM:
         max_model_len: cap on prompt + output tokens (defaults to the model's own limit).
         seed: seed of the generator shared by unseeded sampling requests.
         structured_output_backend: "llguidance" (default) or "xgrammar", for `SamplingParams.structured`.
+        speculative_config: speculative decoding, as a dict, its JSON text (vLLM's keys, e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 3}``) or a `SpeculativeConfig`; none: plain decoding.
         **engine_args: fields of `CacheConfig` (block_size, cache_memory, num_blocks, num_state_slots),
             `SchedulerConfig` (max_num_batched_tokens, max_num_seqs, policy, watchdog_timeout_s) and
             `ParallelConfig` (distributed_executor_backend: "uni", the default, or "mp" for a worker process).
@@ -52,6 +61,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, structured_output_backend: str = "llguidance", device: str = "cpu",
+                 speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
                  **engine_args: Any) -> None:
         if model is None:  # the embedded default model, shipped as package data
             model = str(default_model_dir())
@@ -68,6 +78,7 @@ class LLM:
             cache=CacheConfig(**{k: v for k, v in engine_args.items() if k in cache_fields}),
             scheduler=SchedulerConfig(**{k: v for k, v in engine_args.items() if k in sched_fields}),
             parallel=ParallelConfig(**{k: v for k, v in engine_args.items() if k in parallel_fields}),
+            speculative_config=None if speculative_config is None else SpeculativeConfig.from_json(speculative_config),
         )
         ModelConfig.from_pretrained(model)  # fail on a bad checkpoint config before reading anything else
         self.tokenizer = Tokenizer.from_pretrained(model)

@@ -1,27 +1,91 @@
 """Prometheus metrics of the API process (`GET /metrics`), with vLLM's metric names under a `deltaserve:` prefix.
 
 Request latencies are observed here, where the tokens reach the client; engine gauges and counters (queue
-lengths, pool usage, prefix-cache tokens, preemptions) come from the engine's latest stats snapshot, read at
-scrape time. Each server owns its registry, so several apps can live in one process (tests).
+lengths, pool usage, prefix-cache tokens, preemptions) come from the last engine stats snapshot the API process
+holds (`EngineStatsSnapshot`): a scrape waits a moment for a fresh one and otherwise serves the last, so it never
+waits for a long engine step (`deltaserve:engine_stats_age_seconds` says how old it is). Every HTTP answer of 400 or
+more, unhandled 500s included, is also counted by kind in `deltaserve:request_errors`. Each server owns its
+registry, so several apps can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from deltaserve.engine.stats import EngineStats
+from deltaserve.entrypoints.server.rolling import RollingWindow
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+ERROR_KINDS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+               413: "request_too_large", 422: "invalid_request", 429: "rate_limited", 499: "client_disconnected",
+               500: "internal", 503: "unavailable", 504: "timeout"}
+"""The `kind` label of `deltaserve:request_errors` by HTTP status (others: `http_<status>`)."""
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
 
 
+class EngineStatsSnapshot:
+    """The last `EngineStats` the API process got from the engine, and when (`time.monotonic()`).
+
+    `refresh` asks the engine for a fresh snapshot but waits at most `wait_s`: the engine answers only between two
+    steps, so during a long step the caller gets the last snapshot instead of waiting. At most one question is in
+    flight; callers that come meanwhile share it, so a frozen engine does not collect a pile of them.
+    """
+
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
+        self.updated_at: float | None = None
+        self._pending: asyncio.Future[EngineStats] | None = None
+
+    def set(self, stats: EngineStats) -> None:
+        self.stats, self.updated_at = stats, time.monotonic()
+
+    @property
+    def age_s(self) -> float | None:
+        """Seconds since the snapshot was taken (None before the first)."""
+        return None if self.updated_at is None else time.monotonic() - self.updated_at
+
+    async def refresh(self, fetch: Callable[[], Awaitable[EngineStats]], wait_s: float) -> EngineStats | None:
+        """Start (or join) a `fetch` of fresh stats, wait for it at most `wait_s` seconds, return the latest
+        snapshot (None while the engine never answered). Errors of `fetch` (a dead engine) are logged, not raised."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(fetch())
+            self._pending.add_done_callback(self._fetched)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._pending), wait_s)
+        except Exception:  # noqa: BLE001 - timeout (a long step) or a dead engine: the last snapshot will do
+            pass
+        return self.stats
+
+    def _fetched(self, future: asyncio.Future[EngineStats]) -> None:
+        self._pending = None
+        if future.cancelled():
+            return
+        if future.exception() is not None:
+            logger.debug("engine stats unavailable: %s", future.exception())
+            return
+        self.set(future.result())
+
+
 class _EngineStatsCollector:
-    """Exposes the last engine stats snapshot (set before each scrape) as gauges and counters."""
+    """Exposes the last engine stats snapshot as gauges and counters."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats: Any = None
+        self.snapshot = EngineStatsSnapshot()
+
+    @property
+    def stats(self) -> Any:
+        return self.snapshot.stats
 
     def collect(self):  # noqa: ANN201 - prometheus collector protocol
         s = self.stats
@@ -48,6 +112,28 @@ class _EngineStatsCollector:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hit_tokens)
         yield counter("num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
+        yield gauge("engine_stats_age_seconds", "Age of the engine stats snapshot these engine metrics come from.",
+                    self.snapshot.age_s or 0.0)
+        yield from _spec_decode_counters(s, labels)
+
+
+def _spec_decode_counters(s: Any, labels: list[str]):  # noqa: ANN202 - yields metric families
+    """vLLM's spec-decode counters. Always exposed (vLLM registers them only with speculative decoding on), so a
+    dashboard reads 0 rather than no data."""
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Request-steps that verified proposed tokens.", s.spec_num_drafts),
+        ("spec_decode_num_draft_tokens", "Proposed tokens verified.", s.spec_num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", s.spec_num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(f"deltaserve:{name}", doc, labels=["model_name"])
+        c.add_metric(labels, value)
+        yield c
+    per_pos = CounterMetricFamily("deltaserve:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted proposed tokens by position in the draft.",
+                                  labels=["model_name", "position"])
+    for position, value in enumerate(s.spec_accepted_per_pos):
+        per_pos.add_metric([*labels, str(position)], value)
+    yield per_pos
 
 
 class ServerMetrics:
@@ -71,20 +157,44 @@ class ServerMetrics:
                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("deltaserve:e2e_request_latency_seconds", "Arrival to last token.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.errors = Counter("deltaserve:request_errors", "HTTP answers with a status of 400 or more (unhandled "
+                              "exceptions: kind=internal) by kind.", ["model_name", "kind"], registry=self.registry)
         self.engine = _EngineStatsCollector(model_name)
         self.registry.register(self.engine)
+        self.started = time.time()
+        """When the server started (Unix time), for the uptime."""
+        self.ttft_window = RollingWindow()
+        """Recent TTFT samples (the status page's percentiles)."""
+        self.itl_window = RollingWindow()
+        self.finished_by_reason: dict[str, int] = {}
+        self.errors_by_kind: dict[str, int] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    async def refresh_engine_stats(self, fetch: Callable[[], Awaitable[EngineStats]], wait_s: float = 0.5) -> None:
+        """Update the engine snapshot if the engine answers within `wait_s` (see `EngineStatsSnapshot`)."""
+        await self.engine.snapshot.refresh(fetch, wait_s)
 
     def observe_http(self, route: str, status: int) -> None:
         self.requests.labels(self._model, route, str(status)).inc()
+        if status >= 400:
+            kind = ERROR_KINDS.get(status, f"http_{status}")
+            self.errors.labels(self._model, kind).inc()
+            self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
 
     def observe_finished(self, reason: str, *, prompt_tokens: int, generated: int, ttft: float | None,
                          e2e: float) -> None:
         self.finished.labels(self._model, reason).inc()
         self.prompt_tokens.labels(self._model).inc(prompt_tokens)
         self.generation_tokens.labels(self._model).inc(generated)
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+        self.prompt_tokens_total += prompt_tokens
+        self.generation_tokens_total += generated
         if ttft is not None:
             self.ttft.labels(self._model).observe(ttft)
+            self.ttft_window.add(ttft)
         self.e2e.labels(self._model).observe(e2e)
 
     def observe_itl(self, seconds: float) -> None:
         self.itl.labels(self._model).observe(seconds)
+        self.itl_window.add(seconds)
