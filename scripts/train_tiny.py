@@ -13,6 +13,7 @@ checkpoint is the exact Kimi Linear format both load; only its KDA chunk functio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -336,6 +337,13 @@ def parse_args() -> argparse.Namespace:
                     help="stop (and save) after this many steps, the schedule still set by --steps (0: run them all)")
     ap.add_argument("--init-from", default=None,
                     help="continue from this checkpoint (its weights, config and tokenizer) instead of a fresh model")
+    ap.add_argument("--tokenizer-from", default=None,
+                    help="reuse this checkpoint's tokenizer (same ids: a draft model) instead of training one")
+    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default: SPEC's)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: SPEC's); every 4th and the last are MLA, the rest KDA")
+    ap.add_argument("--intermediate", type=int, default=None, help="dense FFN width (default: SPEC's)")
+    ap.add_argument("--dense", action="store_true", help="every layer a dense FFN (no MoE)")
     ap.add_argument("--check-kda", action="store_true", help="compare the training KDA with the reference and exit")
     return ap.parse_args()
 
@@ -358,8 +366,19 @@ def main() -> None:  # noqa: PLR0915 - a linear script
         raw = json.loads((tok_dir / "config.json").read_text())
         special = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     else:
-        special = build_tokenizer(tok_dir, code_texts, args.seed)
-        raw = tiny_config_dict(SPEC, special)
+        spec = dataclasses.replace(SPEC, **{k: v for k, v in (("hidden", args.hidden), ("layers", args.layers),
+                                                             ("intermediate", args.intermediate)) if v is not None})
+        if args.dense:
+            spec = dataclasses.replace(spec, first_k_dense=spec.layers)
+        if args.tokenizer_from:  # a draft: the target's tokenizer, so its token ids are the target's
+            tok_dir.mkdir(parents=True, exist_ok=True)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(Path(args.tokenizer_from) / name, tok_dir / name)
+            source = json.loads((Path(args.tokenizer_from) / "config.json").read_text())
+            special = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        else:
+            special = build_tokenizer(tok_dir, code_texts, args.seed)
+        raw = tiny_config_dict(spec, special)
         raw["model_max_length"] = MAX_LEN
         (tok_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")  # lets get_chat_format pick kimi_k2
     tok = Tokenizer.from_pretrained(tok_dir)
