@@ -3,13 +3,18 @@
 Every POST route reads its body itself (size limit, malformed JSON, pydantic validation) so each failure has the
 right status and the right error shape: OpenAI's on /v1/completions and /v1/chat/completions, Anthropic's on
 /v1/messages. A non-streaming request is cancelled (and its sequences aborted) when the client disconnects;
-a streaming one when the event stream is closed.
+a streaming one when the event stream is closed. Both are also ended at their deadline (`--request-timeout-s`)
+and by a drain that ran out of time (server/lifecycle.py); `AdmissionGate` refuses new requests while draining.
+
+/health asks the engine: 200 while the engine process runs and its heartbeat is recent (`--health-timeout-s`),
+503 otherwise (dead, exited, or stopped/frozen).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.entrypoints.anthropic.messages import count_tokens, create_message, create_message_stream
 from deltaserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from deltaserve.entrypoints.openai.chat import chat_completion, chat_completion_stream
@@ -31,6 +37,8 @@ from deltaserve.entrypoints.openai.tokenize import TOKENIZE_REQUEST, detokenize,
 from deltaserve.entrypoints.server.errors import ApiError, validation_message
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.entrypoints.server.json_body import parse_json_object
+from deltaserve.entrypoints.server.lifecycle import AdmissionGate, Lifecycle
+from deltaserve.entrypoints.server.status import status_router
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +46,44 @@ VERSION = "0.1.0"
 
 
 def _is_anthropic(request: Request) -> bool:
-    return request.url.path.startswith("/v1/messages")
+    return _is_anthropic_path(request.url.path)
+
+
+def _is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
 
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:
-    body = err.anthropic_body() if _is_anthropic(request) else err.openai_body()
+    return _error_for_path(request.url.path, err)
+
+
+def _error_for_path(path: str, err: ApiError) -> JSONResponse:
+    body = err.anthropic_body() if _is_anthropic_path(path) else err.openai_body()
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+def _error_event(path: str) -> Callable[[ApiError], str]:
+    """How a stream on `path` reports an error after its headers went out (what the route's own stream sends)."""
+    if _is_anthropic_path(path):
+        return lambda err: f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n"
+    return lambda err: f"data: {json.dumps(err.openai_body())}\n\ndata: [DONE]\n\n"
+
+
+async def _read_json(request: Request, limit: int, timeout_s: float | None = None) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):  # a client that never finishes its body is not waited for forever
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
     return parse_json_object(b"".join(chunks))
 
 
@@ -71,16 +99,20 @@ def _authorize(frontend: Frontend, request: Request) -> None:
     header = request.headers.get("authorization", "")
     given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
     if not hmac.compare_digest(given.encode(), api_key.encode()):
-        raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                       code="invalid_api_key")
+        how = "'x-api-key: KEY' or 'Authorization: Bearer KEY'" if _is_anthropic(request) else \
+            "'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+        raise ApiError(401, f"invalid or missing API key: this server was started with --api-key (or "
+                            f"$DELTASERVE_API_KEY), which guards /v1/*, /tokenize, /detokenize and "
+                            f"/reset_prefix_cache; send {how}", code="invalid_api_key")
 
 
-async def _handle(frontend: Frontend, request: Request, route: str, model: type[BaseModel] | TypeAdapter,
-                  run: Callable[[Frontend, Any], Awaitable[dict[str, Any]]],
+async def _handle(frontend: Frontend, lifecycle: Lifecycle, request: Request, route: str,
+                  model: type[BaseModel] | TypeAdapter, run: Callable[[Frontend, Any], Awaitable[dict[str, Any]]],
                   run_stream: Callable[[Frontend, Any], Awaitable[AsyncIterator[str]]] | None = None) -> Response:
+    deadline = lifecycle.deadline()
     try:
         _authorize(frontend, request)
-        data = await _read_json(request, frontend.config.max_request_bytes)
+        data = await _read_json(request, frontend.config.max_request_bytes, frontend.config.body_timeout_s)
         try:
             body = model.validate_python(data) if isinstance(model, TypeAdapter) else model.model_validate(data)
         except ValidationError as exc:
@@ -89,9 +121,10 @@ async def _handle(frontend: Frontend, request: Request, route: str, model: type[
         if run_stream is not None and getattr(body, "stream", False):
             events = await run_stream(frontend, body)
             frontend.metrics.observe_http(route, 200)
-            return StreamingResponse(events, media_type="text/event-stream",
+            return StreamingResponse(lifecycle.guard_stream(events, deadline, _error_event(route)),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result = await _cancel_on_disconnect(request, run(frontend, body))
+        result = await lifecycle.run(run(frontend, body), deadline, _until_disconnect(request))
         if result is None:  # the client went away; nobody reads this response
             frontend.metrics.observe_http(route, 499)
             return Response(status_code=499)
@@ -113,17 +146,24 @@ POST_ROUTES: dict[str, tuple[Any, Callable[..., Awaitable[dict[str, Any]]], Call
 """Path -> (request model, the handler, the streaming handler or None) of every JSON POST route."""
 
 
-def _post_route(frontend: Frontend, path: str, model: Any, run: Callable[..., Awaitable[dict[str, Any]]],
+def _post_route(frontend: Frontend, lifecycle: Lifecycle, path: str, model: Any,
+                run: Callable[..., Awaitable[dict[str, Any]]],
                 run_stream: Callable[..., Any] | None) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
-        return await _handle(frontend, request, path, model, run, run_stream)
+        return await _handle(frontend, lifecycle, request, path, model, run, run_stream)
 
     return endpoint
 
 
-def build_app(frontend: Frontend) -> FastAPI:
-    """The ASGI app over a started `Frontend` (its engine client already running)."""
+def build_app(frontend: Frontend, lifecycle: Lifecycle | None = None) -> FastAPI:
+    """The ASGI app over a started `Frontend` (its engine client already running); `lifecycle` (default: one from
+    the frontend's config) is what `serve` drains on SIGTERM."""
+    if lifecycle is None:
+        lifecycle = Lifecycle(request_timeout_s=frontend.config.request_timeout_s,
+                              shutdown_timeout_s=frontend.config.shutdown_timeout_s)
     app = FastAPI(title="deltaserve", version=VERSION)
+    app.state.lifecycle = lifecycle
+    app.add_middleware(AdmissionGate, lifecycle=lifecycle, render=_error_for_path)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
@@ -137,10 +177,11 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
+        frontend.metrics.observe_http(request.url.path, 500)
         return _error_response(request, ApiError(500, f"internal server error: {type(exc).__name__}"))
 
     for path, (model, run, run_stream) in POST_ROUTES.items():
-        app.add_api_route(path, _post_route(frontend, path, model, run, run_stream), methods=["POST"])
+        app.add_api_route(path, _post_route(frontend, lifecycle, path, model, run, run_stream), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -157,7 +198,10 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if frontend.client.is_alive else 503)
+        problem = _engine_problem(frontend)
+        if problem is None:
+            return Response(status_code=200)
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
     @app.get("/version")
     async def version() -> Response:
@@ -165,12 +209,10 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        try:
-            frontend.metrics.engine.stats = await asyncio.wait_for(frontend.client.get_stats(), timeout=5.0)
-        except Exception:  # noqa: BLE001 - a dead or busy engine must not break the scrape
-            logger.warning("engine stats unavailable for /metrics", exc_info=True)
+        await frontend.metrics.refresh_engine_stats(frontend.client.get_stats)  # the last snapshot during a long step
         return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(status_router(frontend, VERSION))  # /status, /status.json
     return app
 
 
@@ -179,22 +221,16 @@ def _is_type_error(exc: ValidationError) -> bool:
     return any(e.get("type", "").endswith(("_type", "missing", "_parsing")) for e in exc.errors())
 
 
-async def _cancel_on_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        return None
-    finally:
-        watcher.cancel()
-        task.cancel()
+def _engine_problem(frontend: Frontend) -> str | None:
+    """Why the engine cannot serve now (None: it can): gone, or silent for longer than --health-timeout-s."""
+    client = frontend.client
+    if not client.is_alive:
+        return "the engine process is not running"
+    if isinstance(client, AsyncEngineClient):  # an in-process engine has no heartbeat: it is this process
+        age, limit = client.heartbeat_age(), frontend.config.health_timeout_s
+        if age > limit:
+            return f"no heartbeat from the engine process for {age:.1f} s (limit {limit:g} s): stopped or frozen"
+    return None
 
 
 def default_model_name(model_dir: str) -> str:

@@ -16,11 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from deltaserve.engine.stats import EngineStats
-from deltaserve.entrypoints.server.rolling import RollingWindow
-
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from deltaserve.engine.stats import EngineStats
+from deltaserve.entrypoints.server.rolling import RollingWindow
 
 logger = logging.getLogger(__name__)
 
