@@ -8,6 +8,11 @@ In this process, a reader callback on the output socket routes each request's ou
 `asyncio.Queue` (ids that are unknown or already finished/aborted are dropped), and a callback on the process
 sentinel fails every waiter with `EngineDeadError` as soon as the engine process exits. Sends never block: both
 PUSH sockets are the connecting side with no high-water mark.
+
+Liveness: the engine process sends a `Heartbeat` every `HEARTBEAT_INTERVAL_S` from a thread of its own, and
+`heartbeat_age` says how long ago the last one arrived (a stopped or frozen engine process keeps existing, so
+`is_alive` alone cannot see it). `wait_exited` returns once the process has exited; `restart` then starts a new
+one with the same config behind the same client object.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -34,6 +40,7 @@ from deltaserve.engine.messages import (
     EngineInfo,
     EngineOutput,
     FatalError,
+    Heartbeat,
     OutputBatch,
     Ready,
     ShutdownRequest,
@@ -69,35 +76,67 @@ class EngineStartError(RuntimeError):
         self.traceback = traceback
 
 
+@dataclass(frozen=True, slots=True)
+class _Channel:
+    """A started engine process and the ZMQ sockets to it."""
+
+    process: multiprocessing.process.BaseProcess
+    ctx: zmq.Context
+    input: zmq.Socket
+    output: zmq.Socket
+    socket_dir: str
+    info: EngineInfo
+
+
 class AsyncEngineClient:
     """One engine process and the routing of its outputs (an `EngineClient`). Create with
     `await AsyncEngineClient.start(config)`; all methods must be called from the event loop that started it."""
 
-    def __init__(self, *, process: multiprocessing.process.BaseProcess, zmq_ctx: zmq.Context, input_socket: zmq.Socket,
-                 output_socket: zmq.Socket, socket_dir: str, info: EngineInfo) -> None:
-        self.info = info
-        self._process = process
-        self._ctx, self._input, self._output = zmq_ctx, input_socket, output_socket
-        self._socket_dir = socket_dir
+    def __init__(self, *, config: EngineConfig, channel: _Channel, startup_timeout_s: float = 600) -> None:
+        self.config = config
+        self._startup_timeout_s = startup_timeout_s
         self._loop = asyncio.get_running_loop()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineOutput)
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._stats_numbers = itertools.count()
+        self._closing = False
+        self._closed = asyncio.Event()
+        """Set when `shutdown` has finished."""
+        self._attached = False
+        self._attach(channel)
+
+    def _attach(self, channel: _Channel) -> None:
+        """Take over a started engine process (at start and on `restart`)."""
+        self.info = channel.info
+        self._process = channel.process
+        self._ctx, self._input, self._output = channel.ctx, channel.input, channel.output
+        self._socket_dir = channel.socket_dir
         self._fatal: FatalError | None = None
         self._dead_reason: str | None = None
         """Set once the engine process has exited: why."""
-        self._closing = False
         self._exited = asyncio.Event()
         """Set when the engine process has exited (and every waiter has been failed)."""
-        self._closed = asyncio.Event()
-        """Set when `shutdown` has finished."""
-        self._output_fd: int = output_socket.fileno()
-        self._finalizer = weakref.finalize(self, _kill_and_clean, process, socket_dir)
+        self._last_heartbeat = self._loop.time()
+        """Event-loop time of the last `Heartbeat` (or of `Ready`)."""
+        self._output_fd: int = channel.output.fileno()
+        self._finalizer = weakref.finalize(self, _kill_and_clean, channel.process, channel.socket_dir)
+        self._attached = True
         self._loop.add_reader(self._output_fd, self._on_readable)
-        self._loop.add_reader(process.sentinel, self._on_exit)
+        self._loop.add_reader(channel.process.sentinel, self._on_exit)
         self._on_readable()  # messages that arrived before the reader was registered (the FD is edge-triggered)
+
+    def _detach(self) -> None:
+        """Close the sockets and reap the process (killed if it still runs). Idempotent."""
+        if not self._attached:
+            return
+        self._attached = False
+        self._loop.remove_reader(self._output_fd)
+        self._input.close()
+        self._output.close()
+        self._ctx.term()
+        self._finalizer()  # kills the process if it still runs, joins it, removes the socket directory
 
     # -- start ---------------------------------------------------------------------------------------------------
 
@@ -107,34 +146,33 @@ class AsyncEngineClient:
 
         Raises EngineStartError with the engine's error when it fails, dies or is not ready within the timeout.
         """
-        socket_dir = tempfile.mkdtemp(prefix="deltaserve-")
-        input_address, output_address = f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output"
-        ctx = zmq.Context()
-        ctx.setsockopt(zmq.LINGER, 0)
-        output_socket = ctx.socket(zmq.PULL)
-        output_socket.setsockopt(zmq.RCVHWM, 0)
-        output_socket.bind(output_address)
-        input_socket = ctx.socket(zmq.PUSH)
-        input_socket.setsockopt(zmq.SNDHWM, 0)  # connect side: queued from the start, so a send never blocks
-        input_socket.setsockopt(zmq.RECONNECT_IVL, 10)  # the engine binds a moment after we connect
-        input_socket.connect(input_address)
-        log_level = logging.getLogger("deltaserve").getEffectiveLevel()
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_address, output_address, os.getpid(), log_level),
-            name="deltaserve-engine", daemon=True,
-        )
-        try:
-            process.start()
-            info = await _wait_ready(output_socket, process, startup_timeout_s)
-        except BaseException:
-            input_socket.close()
-            output_socket.close()
-            ctx.term()
-            _kill_and_clean(process, socket_dir)
-            raise
-        logger.info("engine process %d ready: %s", process.pid, info)
-        return cls(process=process, zmq_ctx=ctx, input_socket=input_socket, output_socket=output_socket,
-                   socket_dir=socket_dir, info=info)
+        return cls(config=config, channel=await _spawn(config, startup_timeout_s), startup_timeout_s=startup_timeout_s)
+
+    async def restart(self) -> None:
+        """Start a new engine process (same config) after the previous one exited; its requests have already
+        failed with EngineDeadError. Raises EngineStartError like `start`, EngineDeadError after `shutdown`."""
+        if self._closing:
+            raise EngineDeadError("the engine is shutting down")
+        if self._dead_reason is None:
+            raise RuntimeError("the engine process is still running")
+        self._detach()
+        channel = await _spawn(self.config, self._startup_timeout_s)
+        if self._closing:  # shut down while the new engine started: it is not wanted
+            _close_channel(channel)
+            raise EngineDeadError("the engine is shutting down")
+        self._attach(channel)
+
+    async def wait_exited(self) -> str:
+        """Wait until the current engine process has exited (its waiters failed); why it exited."""
+        await self._exited.wait()
+        return self._dead_reason or "the engine process exited"
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine process last sent a `Heartbeat` (read after draining what has arrived, so a
+        busy event loop here does not make the engine look late)."""
+        if self._attached:
+            self._on_readable()
+        return self._loop.time() - self._last_heartbeat
 
     # -- requests ------------------------------------------------------------------------------------------------
 
@@ -237,11 +275,7 @@ class AsyncEngineClient:
                 except TimeoutError:
                     continue
         finally:
-            self._loop.remove_reader(self._output_fd)
-            self._input.close()
-            self._output.close()
-            self._ctx.term()
-            self._finalizer()  # kills the process if it still runs, joins it, removes the socket directory
+            self._detach()
             self._closed.set()
 
     # -- internals -----------------------------------------------------------------------------------------------
@@ -267,7 +301,7 @@ class AsyncEngineClient:
             except Exception:  # keep draining: an unread message would never signal the FD again
                 logger.exception("could not handle an engine output")
 
-    def _dispatch(self, msg: Ready | StartupError | OutputBatch | StatsReply | FatalError) -> None:
+    def _dispatch(self, msg: EngineOutput) -> None:
         if isinstance(msg, OutputBatch):
             for out in msg.outputs:
                 self._route(out)
@@ -275,6 +309,8 @@ class AsyncEngineClient:
             waiter = self._stats_waiters.pop(msg.request_no, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg.stats)
+        elif isinstance(msg, Heartbeat):
+            self._last_heartbeat = self._loop.time()
         elif isinstance(msg, FatalError):
             self._fatal = msg
             logger.error("engine process failed: %s\n%s", msg.message, msg.traceback)
@@ -316,6 +352,44 @@ class AsyncEngineClient:
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(reason))
         self._exited.set()
+
+
+async def _spawn(config: EngineConfig, startup_timeout_s: float) -> _Channel:
+    """Spawn an engine process and wait for its `Ready` (EngineStartError on failure, death or timeout)."""
+    socket_dir = tempfile.mkdtemp(prefix="deltaserve-")
+    input_address, output_address = f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output"
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)
+    output_socket = ctx.socket(zmq.PULL)
+    output_socket.setsockopt(zmq.RCVHWM, 0)
+    output_socket.bind(output_address)
+    input_socket = ctx.socket(zmq.PUSH)
+    input_socket.setsockopt(zmq.SNDHWM, 0)  # connect side: queued from the start, so a send never blocks
+    input_socket.setsockopt(zmq.RECONNECT_IVL, 10)  # the engine binds a moment after we connect
+    input_socket.connect(input_address)
+    log_level = logging.getLogger("deltaserve").getEffectiveLevel()
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, args=(config, input_address, output_address, os.getpid(), log_level),
+        name="deltaserve-engine", daemon=True,
+    )
+    try:
+        process.start()
+        info = await _wait_ready(output_socket, process, startup_timeout_s)
+    except BaseException:
+        input_socket.close()
+        output_socket.close()
+        ctx.term()
+        _kill_and_clean(process, socket_dir)
+        raise
+    logger.info("engine process %d ready: %s", process.pid, info)
+    return _Channel(process, ctx, input_socket, output_socket, socket_dir, info)
+
+
+def _close_channel(channel: _Channel) -> None:
+    channel.input.close()
+    channel.output.close()
+    channel.ctx.term()
+    _kill_and_clean(channel.process, channel.socket_dir)
 
 
 async def _wait_ready(output_socket: zmq.Socket, process: multiprocessing.process.BaseProcess,

@@ -6,6 +6,10 @@ whatever inputs arrived without waiting, runs one step and sends the step's outp
 request becomes an error output for that request; a step that raises ends the requests in flight with an error and
 the loop goes on; an unexpected exception elsewhere (or `MAX_FAILED_STEPS` failing steps in a row) is logged and sent
 as `FatalError`, and the process exits.
+
+A `Heartbeat` thread sends a `Heartbeat` every `HEARTBEAT_INTERVAL_S` on a socket of its own: the API process's
+/health sees a stopped or frozen process (every thread stops) but not a long step (torch ops release the GIL, and
+Python switches threads every few milliseconds even when they do not).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -23,12 +29,14 @@ import zmq
 
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.messages import (
+    HEARTBEAT_INTERVAL_S,
     AbortRequest,
     AddRequest,
     EngineCoreOutput,
     EngineInfo,
     EngineInput,
     FatalError,
+    Heartbeat,
     OutputBatch,
     Ready,
     ShutdownRequest,
@@ -77,9 +85,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             outputs.send(_ENCODER.encode(StartupError(message=_one_line(e), traceback=traceback.format_exc())))
             return
         outputs.send(_ENCODER.encode(Ready(info=engine_info(core))))
+        beat = HeartbeatThread(ctx, output_address, lambda: core.stats.steps)
         try:
             failed = not serve(core, inputs, outputs, parent_pid)
         finally:
+            beat.stop()
             core.shutdown()
     finally:
         inputs.close(linger=0)
@@ -87,6 +97,32 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         ctx.term()
         if failed:
             sys.exit(1)
+
+
+class HeartbeatThread:
+    """Sends a `Heartbeat` every `HEARTBEAT_INTERVAL_S` until stopped, on its own PUSH socket (ZMQ sockets are not
+    thread-safe) connected to the client's output address."""
+
+    def __init__(self, ctx: zmq.Context, address: str, steps: Callable[[], int]) -> None:
+        self._socket = ctx.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.connect(address)
+        self._steps = steps
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deltaserve-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()  # not shared with the loop's thread
+        try:
+            while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+                self._socket.send(encoder.encode(Heartbeat(step=self._steps())), zmq.NOBLOCK)
+        finally:
+            self._socket.close(linger=0)  # before ctx.term(), which waits for every socket to close
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> bool:

@@ -4,7 +4,8 @@ Two ZMQ PUSH/PULL channels carry msgpack-encoded msgspec Structs, each tagged wi
 
 - input (client -> engine): `AddRequest`, `AbortRequest`, `StatsRequest`, `ShutdownRequest`;
 - output (engine -> client): `Ready` or `StartupError` once, then `OutputBatch` (one per step that produced
-  anything), `StatsReply`, and `FatalError` just before an engine that failed exits.
+  anything), `StatsReply`, and `FatalError` just before an engine that failed exits; and a `Heartbeat` every
+  `HEARTBEAT_INTERVAL_S` from a thread of the engine process (its own PUSH socket to the same address).
 
 No torch here: the API process imports this module without the model stack.
 """
@@ -123,6 +124,18 @@ class StatsReply(msgspec.Struct, tag="stats", frozen=True, kw_only=True):
     stats: EngineStats
 
 
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, kw_only=True):
+    """The engine process is running (not frozen or stopped). Sent by a thread independent of the step loop, so a
+    long step does not delay it."""
+
+    step: int
+    """The engine's step counter when it was sent."""
+
+
+HEARTBEAT_INTERVAL_S = 0.5
+"""How often the engine process sends a `Heartbeat`."""
+
+
 class FatalError(msgspec.Struct, tag="fatal", frozen=True, kw_only=True):
     """The engine loop failed unexpectedly; the process exits after sending this."""
 
@@ -131,4 +144,4 @@ class FatalError(msgspec.Struct, tag="fatal", frozen=True, kw_only=True):
     traceback: str = ""
 
 
-EngineOutput = Ready | StartupError | OutputBatch | StatsReply | FatalError
+EngineOutput = Ready | StartupError | OutputBatch | StatsReply | Heartbeat | FatalError

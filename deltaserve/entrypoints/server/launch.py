@@ -1,18 +1,29 @@
-"""`serve`: start the engine process, then the HTTP server on top of it (what `deltaserve serve` runs)."""
+"""`serve`: start the engine process, then the HTTP server on top of it (what `deltaserve serve` runs).
+
+Signals: the first SIGTERM drains (server/lifecycle.py: new requests get 503, those in flight get
+`--shutdown-timeout-s`, then the server exits with status 0); SIGINT, or a second SIGTERM, is uvicorn's
+immediate shutdown. When the engine process dies, its requests fail (503, or an error event in a stream); the
+server then exits with status 1 for a supervisor to restart it, or with `--restart-engine` starts a new engine
+process and goes on serving.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
 from deltaserve.chat import get_chat_format
 from deltaserve.config import EngineConfig, ServerConfig
-from deltaserve.engine.client import AsyncEngineClient
+from deltaserve.engine.client import AsyncEngineClient, EngineDeadError, EngineStartError
 from deltaserve.entrypoints.server.app import build_app, default_model_name
 from deltaserve.entrypoints.server.frontend import Frontend
+from deltaserve.entrypoints.server.http_protocol import with_header_timeout
+from deltaserve.entrypoints.server.lifecycle import Lifecycle
 from deltaserve.entrypoints.server.metrics import ServerMetrics
 from deltaserve.structured.factory import make_backend
 from deltaserve.text.tokenizer import Tokenizer
@@ -34,23 +45,81 @@ async def build_frontend(engine_config: EngineConfig, server_config: ServerConfi
                     priority_scheduling=engine_config.scheduler.policy == "priority")
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> None:
-    """Run until interrupted; the engine process is shut down on exit."""
+class _Server(uvicorn.Server):
+    """uvicorn's server, with a drain on the first SIGTERM and an exit status."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.exit_code = 0
+        self._loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.lifecycle.draining and not self.should_exit:
+            # Not recorded in uvicorn's captured signals: it would raise SIGTERM again on exit (status -15, not 0).
+            self.lifecycle.draining = True  # refuse new requests from now on, before the drain task even runs
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        logger.info("SIGTERM: draining (at most %g s), then exiting", self.lifecycle.shutdown_timeout_s)
+        self._drain = asyncio.ensure_future(self.lifecycle.drain(self.stop))
+
+    def stop(self, exit_code: int = 0) -> None:
+        self.exit_code = max(self.exit_code, exit_code)
+        self.should_exit = True
+
+
+async def _watch_engine(client: AsyncEngineClient, server: _Server, restart: bool) -> None:
+    """When the engine process exits: stop the server with status 1, or (`restart`) start a new engine."""
+    while True:
+        reason = await client.wait_exited()
+        if server.should_exit:
+            return
+        if not restart:
+            logger.error("%s: the server exits with status 1 (--restart-engine restarts the engine instead)", reason)
+            server.stop(1)
+            return
+        logger.error("%s: starting a new engine process", reason)
+        try:
+            await client.restart()
+        except EngineDeadError:  # shutting down meanwhile
+            return
+        except EngineStartError:
+            logger.exception("the new engine process failed to start: the server exits with status 1")
+            server.stop(1)
+            return
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
+    """Run until interrupted, drained or the engine died; the engine process is shut down on exit. The exit status:
+    0, or 1 after the engine process died (without --restart-engine)."""
     frontend = await build_frontend(engine_config, server_config)
+    client = frontend.client
+    assert isinstance(client, AsyncEngineClient)
+    watcher: asyncio.Task[None] | None = None
     try:
-        app = build_app(frontend)
+        lifecycle = Lifecycle(request_timeout_s=server_config.request_timeout_s,
+                              shutdown_timeout_s=server_config.shutdown_timeout_s)
+        app = build_app(frontend, lifecycle)
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=log_level.lower(),
-                                timeout_graceful_shutdown=5, access_log=False)
-        server = uvicorn.Server(config)
+                                timeout_graceful_shutdown=5, access_log=False,
+                                http=with_header_timeout(server_config.header_timeout_s))
+        server = _Server(config, lifecycle)
+        watcher = asyncio.ensure_future(_watch_engine(client, server, server_config.restart_engine))
         logger.info("serving %s on http://%s:%d (OpenAI /v1/chat/completions, /v1/completions; Anthropic "
                     "/v1/messages)", frontend.model_name, server_config.host, server_config.port)
         await server.serve()
+        return server.exit_code
     finally:
-        await frontend.client.shutdown()
+        if watcher is not None:
+            watcher.cancel()
+        await client.shutdown()
 
 
 def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "info") -> int:
-    """Blocking entry point (uvloop when installed)."""
+    """Blocking entry point (uvloop when installed); the process's exit status."""
     try:
         import uvloop
 
@@ -58,5 +127,4 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str
     except ImportError:  # pragma: no cover - uvloop comes with uvicorn[standard]
         runner = asyncio.Runner()
     with runner:
-        runner.run(serve(engine_config, server_config, log_level))
-    return 0
+        return runner.run(serve(engine_config, server_config, log_level))
