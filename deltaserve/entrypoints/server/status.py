@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from importlib import resources
 
@@ -19,6 +20,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.entrypoints.server.status_board import StatusBoard
+
+logger = logging.getLogger(__name__)
 
 _NO_CACHE = {"Cache-Control": "no-store"}
 
@@ -36,8 +39,11 @@ def status_router(frontend: Frontend, version: str, *, interval_s: float = 2.0) 
 
     async def sample_forever() -> None:
         while True:
-            await frontend.metrics.refresh_engine_stats(frontend.client.get_stats, wait_s=interval_s)
-            board.sample()
+            try:
+                await frontend.metrics.refresh_engine_stats(frontend.client.get_stats, wait_s=interval_s)
+                board.sample()
+            except Exception:  # a bug here must not end the sampling (nor the server)
+                logger.exception("status sample failed")
             await asyncio.sleep(interval_s)
 
     @contextlib.asynccontextmanager

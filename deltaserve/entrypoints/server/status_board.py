@@ -75,29 +75,32 @@ class StatusBoard:
             return stats.generation_tokens
         return self.metrics.generation_tokens_total
 
-    def _gauges(self) -> dict[str, float | None]:
+    def _latency(self) -> dict[str, dict[str, Any]]:
+        return {"ttft": self.metrics.ttft_window.summary(), "itl": self.metrics.itl_window.summary()}
+
+    def _gauges(self, latency: dict[str, dict[str, Any]]) -> dict[str, float | None]:
         s = self.stats
-        ttft, itl = self.metrics.ttft_window.summary(), self.metrics.itl_window.summary()
-        row: dict[str, float | None] = {f"ttft_p{q}": ttft[f"p{q}"] for q in (50, 90, 99)}  # type: ignore[misc]
-        row.update({f"itl_p{q}": itl[f"p{q}"] for q in (50, 90, 99)})  # type: ignore[misc]
+        ttft, itl = latency["ttft"], latency["itl"]
+        row: dict[str, float | None] = {f"ttft_p{q}": ttft[f"p{q}"] for q in (50, 90, 99)}
+        row.update({f"itl_p{q}": itl[f"p{q}"] for q in (50, 90, 99)})
         row["running"] = None if s is None else s.num_running
         row["waiting"] = None if s is None else s.num_waiting
         row["kv_usage"] = None if s is None else _ratio(s.kv_blocks_used, s.kv_blocks_total)
         row["slot_usage"] = None if s is None else _ratio(s.state_slots_used, s.state_slots_total)
         return row
 
-    def _take(self) -> _Sample:
+    def _take(self, latency: dict[str, dict[str, Any]]) -> _Sample:
         s = self.stats
         return _Sample(t=self._clock(), generation_tokens=self._generation_tokens(),
                        prefix_queried=0 if s is None else s.prefix_queried_tokens,
                        prefix_hits=0 if s is None else s.prefix_hit_tokens,
                        spec_draft_tokens=_spec(s, "spec_num_draft_tokens") or 0,
                        spec_accepted=_spec(s, "spec_num_accepted_tokens") or 0,
-                       errors=sum(self.metrics.errors_by_kind.values()), row=self._gauges())
+                       errors=sum(self.metrics.errors_by_kind.values()), row=self._gauges(latency))
 
     def sample(self) -> None:
         """Append one history point (the background task calls this every `interval_s`)."""
-        self._history.append(self._take())
+        self._history.append(self._take(self._latency()))
 
     def _rates(self, prev: _Sample | None, cur: _Sample) -> dict[str, float | None]:
         if prev is None or cur.t <= prev.t:
@@ -132,7 +135,8 @@ class StatusBoard:
     def to_json(self, *, engine_alive: bool) -> dict[str, Any]:
         """The `/status.json` body (see the module docstring)."""
         m, s = self.metrics, self.stats
-        cur = self._take()
+        latency = self._latency()
+        cur = self._take(latency)
         rates = self._rates(self._rate_base(cur.t), cur)
         now: dict[str, Any] = {
             "running": None if s is None else s.num_running,
@@ -163,7 +167,6 @@ class StatusBoard:
         if spec["num_draft_tokens"]:  # an engine with spec-decode counters that has proposed tokens
             totals["spec_decode"] = {**spec, "acceptance_rate": _ratio(spec["num_accepted_tokens"] or 0,
                                                                        spec["num_draft_tokens"] or 0)}
-        latency = {"ttft": m.ttft_window.summary(), "itl": m.itl_window.summary()}
         return {
             "schema": SCHEMA,
             "model": self.model_name,
