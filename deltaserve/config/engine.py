@@ -119,7 +119,8 @@ class EngineConfig:
     model: str
     """Checkpoint directory."""
     dtype: str = "float32"
-    """Weights and activations: 'float32' or 'bfloat16' (router, gates and KDA state stay fp32)."""
+    """Weights and activations: 'float32' or 'bfloat16' (router, gates and KDA state stay fp32); 'float64' for
+    exactness checks (slow)."""
     max_model_len: int | None = None
     """Cap on prompt + output tokens (default: the model's own limit)."""
     seed: int = 0
@@ -140,8 +141,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype={self.dtype!r} is not supported (supported: 'bfloat16', 'float32')")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"dtype={self.dtype!r} is not supported (supported: 'bfloat16', 'float32', 'float64')")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r} is not supported (supported: 'cpu', 'cuda', 'cuda:N')")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -81,8 +81,10 @@ class EngineCore:
         )
         self.grammar_hook = GrammarHook(self.scheduler, self.structured)
         self.hooks: list[StepHook] = [self.grammar_hook]
-        if proposer is not None:
-            self.hooks.append(ProposerHook(self.scheduler, proposer))
+        self.proposer_hook = None if proposer is None else ProposerHook(self.scheduler, proposer,
+                                                                        self.grammar_hook.grammars)
+        if self.proposer_hook is not None:
+            self.hooks.append(self.proposer_hook)
         self._arrivals = itertools.count()
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         """Prompt logprobs computed by prefill chunks, until the request's first output carries them."""
@@ -99,13 +101,16 @@ class EngineCore:
             num_ckpt = cc.num_checkpoint_slots if cc.num_checkpoint_slots is not None else (
                 parse_memory(cc.checkpoint_memory, budget, "checkpoint_memory") // per_slot)
             logger.info("prefix cache: %d state checkpoint slots (%.1f MiB)", num_ckpt, num_ckpt * per_slot / 2**20)
-        # Speculative steps keep the state after each proposed token in a scratch slot: k per running sequence.
+        # Speculative steps keep the state after each proposed token in a scratch slot: k per running sequence. A
+        # draft model's weights and caches come out of the same budget.
         max_num_seqs = self.config.scheduler.max_num_seqs
         num_scratch = max_num_seqs * proposer.num_speculative_tokens if proposer is not None else 0
-        if num_scratch:
-            logger.info("speculative decoding: %d scratch state slots (%.1f MiB)", num_scratch,
-                        num_scratch * per_slot / 2**20)
-        reserved = (num_ckpt + num_scratch) * per_slot
+        proposer_bytes = proposer.memory_bytes if proposer is not None else 0
+        if proposer is not None:
+            logger.info("speculative decoding: %d scratch state slots (%d per sequence, %.1f KiB each: %.1f MiB), "
+                        "proposer %.1f MiB", num_scratch, proposer.num_speculative_tokens, per_slot / 2**10,
+                        num_scratch * per_slot / 2**20, proposer_bytes / 2**20)
+        reserved = (num_ckpt + num_scratch) * per_slot + proposer_bytes
         layout = plan_cache(
             info.cache_specs, budget_bytes=max(budget - reserved, 0), block_size=cc.block_size,
             max_num_seqs=max_num_seqs, num_blocks=cc.num_blocks, num_slots=cc.num_state_slots,
@@ -179,6 +184,8 @@ class EngineCore:
             self.scheduler.finish_request(request_id, reason)
         self._prompt_logprobs.pop(request_id, None)
         self.grammar_hook.forget(request_id)
+        if self.proposer_hook is not None:
+            self.proposer_hook.forget(request_id)
 
     def fail_unfinished(self, error: str) -> list[EngineCoreOutput]:
         """After `step` raised: end every request the step held or the scheduler holds with `error` (one output

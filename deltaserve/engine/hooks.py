@@ -9,8 +9,9 @@ component: a grammar advances, and may end a request). Grammars are one hook (`G
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.request import FinishReason
@@ -20,6 +21,9 @@ from deltaserve.spec_decode.metrics import SpecDecodeStats
 from deltaserve.spec_decode.proposer import Proposer
 from deltaserve.structured.backend import Grammar
 from deltaserve.structured.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +69,20 @@ class GrammarHook:
                                  finish_reason=FinishReason.ERROR, error=message) for r, message in failed]
 
     def after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
-        """Attach the token bitmask of every constrained request that samples this step (none: `out` unchanged)."""
-        ids = [c.request_id for c in out.chunks if c.sample and c.request_id in self.grammars]
-        if not ids:
+        """Attach the token bitmask of every constrained request that samples this step (none: `out` unchanged):
+        one row, or with proposed tokens one row per verified position (the grammar advanced over the proposals
+        before it, then rolled back: it advances for real over the accepted tokens only, in `after_update`)."""
+        chunks = [c for c in out.chunks if c.sample and c.request_id in self.grammars]
+        if not chunks:
             return out
-        bitmask = self.structured.bitmask([self.grammars[rid] for rid in ids])
-        return replace(out, structured_request_ids=ids, grammar_bitmask=bitmask)
+        grammars = [self.grammars[c.request_id] for c in chunks]
+        if any(c.num_proposed for c in chunks):
+            bitmask = self.structured.bitmask_along(
+                [(g, c.new_token_ids[len(c.new_token_ids) - c.num_proposed:]) for g, c in zip(grammars, chunks,
+                                                                                             strict=True)])
+        else:
+            bitmask = self.structured.bitmask(grammars)
+        return replace(out, structured_request_ids=[c.request_id for c in chunks], grammar_bitmask=bitmask)
 
     def after_update(self, events: list[StepEvent]) -> dict[str, str]:
         """Feed every constrained request its new tokens. A token the grammar rejects finishes the request with an
@@ -93,42 +105,49 @@ class GrammarHook:
 
 
 class ProposerHook:
-    """Speculative decoding: before each step, ask the proposer for the next tokens of every decoding request that
-    no grammar constrains; the scheduler verifies them in the step."""
+    """Speculative decoding: before each step, ask the proposer for the next tokens of every decoding request; the
+    scheduler verifies them in the step. A constrained request's proposals are cut at the first token its grammar
+    rejects. Counts drafts and accepted tokens (`stats`)."""
 
-    def __init__(self, scheduler: Scheduler, proposer: Proposer) -> None:
-        self.scheduler, self.proposer = scheduler, proposer
+    def __init__(self, scheduler: Scheduler, proposer: Proposer, grammars: Mapping[str, Grammar]) -> None:
+        self.scheduler, self.proposer, self.grammars = scheduler, proposer, grammars
         self.stats = SpecDecodeStats()
-        """Acceptance counters (vLLM's spec-decode metrics), read by `EngineCore.get_stats`."""
-        self._verifying: dict[str, list[int]] = {}
-        """This step's proposed tokens by request id, as scheduled."""
+        self._probs: dict[str, torch.Tensor] = {}
+
+    def forget(self, request_id: str) -> None:
+        """A request ended (finished or aborted): the proposer drops what it keeps for it."""
+        self._probs.pop(request_id, None)
+        self.proposer.forget(request_id)
 
     def before_schedule(self) -> list[EngineCoreOutput]:
-        decoding = [r for r in self.scheduler.running
-                    if r.num_tokens - r.num_computed_tokens == 1 and r.params.structured is None]
-        if decoding:
-            proposals = self.proposer.propose(decoding)
-            k = self.proposer.num_speculative_tokens
-            for request in decoding:
-                proposal = proposals.get(request.request_id)
-                request.spec_token_ids = list(proposal.token_ids[:k]) if proposal is not None else []
+        self._probs = {}
+        decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding:
+            return []
+        proposals = self.proposer.propose(decoding)
+        k = self.proposer.num_speculative_tokens
+        for request in decoding:
+            proposal = proposals.get(request.request_id)
+            tokens = list(proposal.token_ids[:k]) if proposal is not None else []
+            grammar = self.grammars.get(request.request_id)
+            if grammar is not None and tokens:
+                tokens = tokens[:grammar.validate_tokens(tokens)]
+            request.spec_token_ids = tokens
+            if tokens and proposal is not None and proposal.probs is not None:
+                self._probs[request.request_id] = proposal.probs
         return []
 
     def after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
-        self._verifying = {c.request_id: c.new_token_ids[-c.num_proposed:] for c in out.chunks if c.num_proposed}
-        return out
+        """Attach the draft distributions of the verified proposals that were drawn from one."""
+        if not self._probs:
+            return out
+        probs = {c.request_id: self._probs[c.request_id][:c.num_proposed] for c in out.chunks
+                 if c.num_proposed and c.request_id in self._probs}
+        return replace(out, draft_probs=probs) if probs else out
 
     def after_update(self, events: list[StepEvent]) -> dict[str, str]:
         for e in events:
-            proposed = self._verifying.get(e.request.request_id)
-            if proposed:
-                # Accepted: the leading tokens equal to the proposal (a sample equal to a proposed token is its
-                # acceptance), counted on the tokens themselves so that a stop inside them still counts right.
-                accepted = 0
-                for token, proposal in zip(e.tokens, proposed, strict=False):
-                    if token.token_id != proposal:
-                        break
-                    accepted += 1
-                self.stats.observe(len(proposed), accepted)
-        self._verifying = {}
+            self.stats.observe(e.num_proposed, e.num_accepted)
+            if e.request.is_finished:
+                self.forget(e.request.request_id)
         return {}

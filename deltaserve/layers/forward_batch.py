@@ -12,10 +12,12 @@ import torch
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ForwardBatch:
-    """One step over N sequences holding T new tokens in total, decode rows first.
+    """One step over N sequences holding T new tokens in total: decode rows, then verify chunks, then prefill chunks.
 
     Sequence i owns the new-token rows `cu_seqlens[i]:cu_seqlens[i+1]`; sequences `[0, num_decodes)` have exactly one
-    new token each (so they are also rows `[0, num_decodes)`), the rest are prefill chunks.
+    new token each (so they are also rows `[0, num_decodes)`); the next `num_verifies` sequences are speculative
+    verify chunks (a sampled token and its proposals), which every layer runs token by token with the decode math, so
+    a verified token gets exactly the numbers plain decoding would give it; the rest are prefill chunks.
     """
 
     cu_seqlens: torch.Tensor
@@ -34,21 +36,47 @@ class ForwardBatch:
     decode_slot_range: slice | None = None
     """`slice(a, a + num_decodes)` when the decode rows' state slots are `a, a + 1, ...` in row order (the common
     case: slots are handed out lowest first): their state is then updated in place, with no gather or scatter."""
+    num_verifies: int = 0
+    verify_scratch_slots: tuple[tuple[int, ...], ...] = ()
+    """Per verify sequence: the state slots that receive the KDA state (recurrent state and conv window) after each
+    of its first tokens (the scratch states of a speculative step, one per proposed token)."""
+    verify_rows: torch.Tensor | None = None
+    """[R] int64, per verify token: its sequence index (for the MLA block table). None without verify chunks."""
+    verify_context_lens: torch.Tensor | None = None
+    """[R] int64, per verify token: the tokens it attends to (cached ones, then the chunk's up to itself)."""
     checkpoint_positions: tuple[tuple[int, ...], ...] | None = None
-    """Per prefill sequence (index i - num_decodes), positions within this step's tokens after which the KDA state
-    (recurrent state and conv window) is saved: prefix-cache checkpoints. None for none."""
+    """Per prefill sequence (index i - num_decodes - num_verifies), positions within this step's tokens after which
+    the KDA state (recurrent state and conv window) is saved: prefix-cache checkpoints. None for none."""
     checkpoint_slots: tuple[tuple[int, ...], ...] | None = None
     """The state slots those checkpoints are written to, aligned with `checkpoint_positions`."""
 
+    @property
+    def num_decode_like(self) -> int:
+        """Sequences run with the decode math: decode rows and verify chunks."""
+        return self.num_decodes + self.num_verifies
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Token rows of those sequences (they come first)."""
+        return self.cu_seqlens_host[self.num_decode_like]
+
     def prefill_cu_seqlens(self) -> torch.Tensor:
         """[P + 1] offsets of the prefill sequences, relative to the first prefill row."""
-        cu = self.cu_seqlens[self.num_decodes :]
+        cu = self.cu_seqlens[self.num_decode_like :]
         return cu - cu[0]
 
     def prefill_cu_seqlens_host(self) -> list[int]:
         """`prefill_cu_seqlens` on the host."""
-        cu = self.cu_seqlens_host[self.num_decodes :]
+        cu = self.cu_seqlens_host[self.num_decode_like :]
         return [x - cu[0] for x in cu]
+
+    def verify_steps(self) -> list[tuple[list[int], list[int]]]:
+        """The verify chunks token by token: for t = 0, 1, ..., (verify sequence indices with a token t, their rows).
+        Sequence indices count from the first verify sequence."""
+        cu, first = self.cu_seqlens_host, self.num_decodes
+        lens = [cu[first + i + 1] - cu[first + i] for i in range(self.num_verifies)]
+        return [([i for i, n in enumerate(lens) if n > t], [cu[first + i] + t for i, n in enumerate(lens) if n > t])
+                for t in range(max(lens, default=0))]
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -61,7 +63,7 @@ class KDAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
         """x: [T, d] (after input_layernorm) -> [T, d]."""
-        cfg, nd = self.cfg, batch.num_decodes
+        cfg, nd, nr = self.cfg, batch.num_decodes, batch.num_decode_rows
         t = x.shape[0]
         *qkv, f_a, b, gate = self.in_proj(x)
         mixed = torch.cat(qkv, dim=-1)  # [T, 3P] pre-conv
@@ -72,10 +74,14 @@ class KDAttention(nn.Module):
         decode_slots = batch.decode_slot_range if batch.decode_slot_range is not None else batch.state_indices[:nd]
         if nd:
             parts.append(short_conv_decode(mixed[:nd], conv_w, cache.conv, decode_slots))
-        if nd < t:
+        if batch.num_verifies:
+            parts.append(_verify(lambda rows, slots: short_conv_decode(mixed[rows], conv_w, cache.conv, slots),
+                                 mixed[nd:nr], cache.conv, batch))
+        if nr < t:
             parts.append(
                 short_conv_prefill(
-                    mixed[nd:], conv_w, cache.conv, batch.state_indices[nd:], batch.prefill_cu_seqlens_host(),
+                    mixed[nr:], conv_w, cache.conv, batch.state_indices[batch.num_decode_like:],
+                    batch.prefill_cu_seqlens_host(),
                     checkpoint_positions=ckpt_pos, checkpoint_slots=ckpt_slots,
                 )
             )
@@ -86,14 +92,18 @@ class KDAttention(nn.Module):
         if self.k3_precision:  # sigmoid in (at least) fp32
             beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))  # [T, H]
         else:
-            beta = torch.sigmoid(b).float()  # [T, H]
+            beta = torch.sigmoid(b).to(torch.promote_types(b.dtype, torch.float32))  # [T, H]; fp64 model: fp64
         outs = []
         if nd:
             outs.append(kda_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.state, decode_slots))
-        if nd < t:
+        if batch.num_verifies:
+            outs.append(_verify(
+                lambda rows, slots: kda_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], cache.state, slots),
+                v[nd:nr], cache.state, batch))
+        if nr < t:
             outs.append(
                 kda_prefill(
-                    q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], cache.state, batch.state_indices[nd:],
+                    q[nr:], k[nr:], v[nr:], g[nr:], beta[nr:], cache.state, batch.state_indices[batch.num_decode_like:],
                     batch.prefill_cu_seqlens_host(), checkpoint_positions=ckpt_pos, checkpoint_slots=ckpt_slots,
                     chunk_size=PREFILL_CHUNK,
                 )
@@ -103,3 +113,32 @@ class KDAttention(nn.Module):
             gate = self.g_b_proj(gate)
         o = gated_rms_norm(o, gate.view(t, cfg.num_heads, cfg.head_dim), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(t, cfg.proj_dim))
+
+
+def _verify(decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], like: torch.Tensor, pool: torch.Tensor,
+            batch: ForwardBatch) -> torch.Tensor:
+    """Run the verify chunks token by token with a decode op (`decode(rows, slots)` updates the pool's slots in place
+    and returns the rows' outputs), copying each sequence's slot to its scratch slot after each of its first tokens.
+
+    The same op as plain decoding, on the same state: a verified token's numbers are those a decode step would give.
+    `like`: the verify rows of any tensor with the output's row count, dtype and device. Returns the rows' outputs."""
+    nd, first_row = batch.num_decodes, batch.cu_seqlens_host[batch.num_decodes]
+    out: torch.Tensor | None = None
+    slots_of = batch.state_indices[nd:nd + batch.num_verifies]
+    for step, (seqs, rows) in enumerate(batch.verify_steps()):
+        idx = torch.tensor(rows, device=like.device)
+        result = decode(idx, slots_of[torch.tensor(seqs, device=like.device)])
+        if out is None:
+            out = result.new_empty(like.shape[0], *result.shape[1:])
+        out[idx - first_row] = result
+        src, dst = [], []
+        for i in seqs:
+            scratch = batch.verify_scratch_slots[i]
+            if step < len(scratch):
+                src.append(i)
+                dst.append(scratch[step])
+        if src:
+            pool.index_copy_(0, torch.tensor(dst, device=pool.device),
+                             pool.index_select(0, slots_of[torch.tensor(src, device=pool.device)]))
+    assert out is not None
+    return out

@@ -45,7 +45,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         """x: [T, d] (after input_layernorm) -> [T, d]."""
-        cfg, nd, t = self.cfg, batch.num_decodes, x.shape[0]
+        cfg, nd, nr, t = self.cfg, batch.num_decodes, batch.num_decode_rows, x.shape[0]
         q, ckv = self.in_proj(x)
         if cfg.q_lora_rank is not None:
             q = self.q_b_proj(rms_norm(q, self.q_a_layernorm.weight, LATENT_NORM_EPS))
@@ -55,25 +55,30 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # [H, Dn, R], [H, Dv, R]
         outs = []
-        if nd:
-            outs.append(self._decode(q[:nd], w_uk, w_uv, batch, cache))
-        if nd < t:
+        if nr:  # decode rows, and verify chunks token by token (each a decode query at its own position)
+            tables, context_lens = batch.block_tables[:nd], batch.context_lens[:nd]
+            if batch.verify_rows is not None and batch.verify_context_lens is not None:
+                tables = torch.cat([tables, batch.block_tables[batch.verify_rows]])
+                context_lens = torch.cat([context_lens, batch.verify_context_lens])
+            outs.append(self._decode(q[:nr], w_uk, w_uv, tables, context_lens, cache))
+        if nr < t:
+            first = batch.num_decode_like
             outs.append(
-                mla_prefill(q[nd:], cache.kv, batch.block_tables[nd:], batch.prefill_cu_seqlens(),
-                            batch.context_lens[nd:], w_uk, w_uv, scale=self.scale)
+                mla_prefill(q[nr:], cache.kv, batch.block_tables[first:], batch.prefill_cu_seqlens(),
+                            batch.context_lens[first:], w_uk, w_uv, scale=self.scale)
             )
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, cfg.num_heads * cfg.v_head_dim)
         if cfg.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def _decode(self, q: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, batch: ForwardBatch,
-                cache: MLALayerCache) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor, cache: MLALayerCache) -> torch.Tensor:
         """Absorbed decode (spec §4.2): q [N, H, Dn+Dr] -> latent query [W_uk^T q_n ; q_r] -> latent attention over
-        the cache -> W_uv -> [N, H, Dv]."""
-        nd, dn = q.shape[0], self.cfg.qk_nope_head_dim
+        the cache (query i at position context_lens[i] - 1 of block_tables[i]) -> W_uv -> [N, H, Dv]."""
+        dn = self.cfg.qk_nope_head_dim
         w_uk, w_uv = w_uk.to(q.dtype), w_uv.to(q.dtype)
         q_latent = torch.cat([torch.einsum("nhd,hdr->nhr", q[..., :dn], w_uk), q[..., dn:]], dim=-1)  # [N, H, R+Dr]
-        o_latent = mla_decode(q_latent, cache.kv, batch.block_tables[:nd], batch.context_lens[:nd],
+        o_latent = mla_decode(q_latent, cache.kv, block_tables, context_lens,
                               kv_lora_rank=self.cfg.kv_lora_rank, scale=self.scale)  # [N, H, R]
         return torch.einsum("nhr,hvr->nhv", o_latent, w_uv)

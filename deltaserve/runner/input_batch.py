@@ -17,7 +17,8 @@ from deltaserve.scheduler.output import ScheduledChunk
 
 
 class InputBatch:
-    """Builds one step's flattened varlen batch (decode rows first) in reused int64 host buffers."""
+    """Builds one step's flattened varlen batch (decode rows, then verify chunks, then prefill chunks) in reused int64
+    host buffers."""
 
     def __init__(self, *, block_size: int, device: torch.device, max_num_tokens: int = 2048,
                  max_num_seqs: int = 64) -> None:
@@ -30,10 +31,10 @@ class InputBatch:
             self._grow(name, size)
 
     def build(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
-        """Flatten `chunks` (decodes first). Returns input ids [T], the batch, and the order used (batch row i is
-        `chunks[order[i]]`)."""
-        is_decode = [c.is_decode for c in chunks]
-        order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
+        """Flatten `chunks` (decodes, verifies, prefills). Returns input ids [T], the batch, and the order used (batch
+        row i is `chunks[order[i]]`)."""
+        group = [0 if c.is_decode else 1 if c.num_proposed else 2 for c in chunks]  # decode, verify, prefill
+        order = sorted(range(len(chunks)), key=group.__getitem__)  # stable: chunk order within a group
         ordered = [chunks[i] for i in order]
         n = len(ordered)
         lens = np.fromiter((len(c.new_token_ids) for c in ordered), dtype=np.int64, count=n)
@@ -62,8 +63,14 @@ class InputBatch:
         np.add(tables[seq_of_row, positions // self.block_size] * self.block_size, positions % self.block_size,
                out=slot_mapping)
 
-        num_decodes = sum(is_decode)
-        prefills = ordered[num_decodes:]
+        num_decodes, num_verifies = group.count(0), group.count(1)
+        verifies = ordered[num_decodes:num_decodes + num_verifies]
+        prefills = ordered[num_decodes + num_verifies:]
+        verify_rows = verify_context = None
+        if verifies:
+            first, last = int(cu[num_decodes]), int(cu[num_decodes + num_verifies])
+            verify_rows = torch.from_numpy(seq_of_row[first:last].copy()).to(self.device)
+            verify_context = torch.from_numpy(positions[first:last] + 1).to(self.device)
         saving = any(c.checkpoints for c in prefills)
         decode_slots = state_indices[:num_decodes].tolist()
         consecutive = decode_slots and decode_slots == list(range(decode_slots[0], decode_slots[0] + num_decodes))
@@ -72,6 +79,10 @@ class InputBatch:
             cu_seqlens_host=tuple(cu.tolist()),
             context_lens=self._tensor("context_lens", n),
             num_decodes=num_decodes,
+            num_verifies=num_verifies,
+            verify_scratch_slots=tuple(tuple(slot for _, slot in sorted(c.checkpoints)) for c in verifies),
+            verify_rows=verify_rows,
+            verify_context_lens=verify_context,
             decode_slot_range=slice(decode_slots[0], decode_slots[0] + num_decodes) if consecutive else None,
             state_indices=self._tensor("state_indices", n),
             block_tables=self._tensor("block_tables", n * max_blocks).view(n, max_blocks),

@@ -15,7 +15,7 @@ from deltaserve.ops import sampling as sampling_ops
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.runner.input_batch import InputBatch
 from deltaserve.runner.kv_tensors import allocate_layer_caches
-from deltaserve.runner.sampler import SamplingRow, TokenBitmask, sample
+from deltaserve.runner.sampler import DraftToken, SamplingRow, TokenBitmask, sample
 from deltaserve.scheduler.output import NewRequestData, RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 
 
@@ -66,24 +66,29 @@ class ModelRunner:
             logits = self.execute_model(out.chunks, only_sampled=True)
             chunks = [c for c in out.chunks if c.sample]
             if chunks:
-                sampled = self._sample(logits, chunks, self._token_bitmask(out, chunks))
+                sampled = self._sample(logits, chunks, out)
         return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
                             forward_seconds=self.last_forward_seconds)
 
-    def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], bitmask: TokenBitmask | None
+    def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], out: SchedulerOutput
                 ) -> dict[str, list[SampledToken]]:
         """Sample every chunk's next token; for chunks with proposed tokens, verify them position by position.
 
         `logits` has 1 + num_proposed rows per chunk, in chunk order. Round j samples position j of every chunk
-        whose proposals 1..j were all accepted, as plain decoding would sample that token (the same penalties,
-        masks and generator draws, given the tokens accepted before it); proposal j + 1 is accepted when the sampled
-        token equals it. So greedy and seeded outputs are exactly those of plain decoding. (Real rejection sampling
-        with draft probabilities replaces this rule with speculative decoding.)"""
+        whose proposals 1..j were all accepted, with the penalties, bad words, min_tokens and grammar mask of that
+        position (given the tokens accepted before it). A proposal drawn from a known distribution
+        (`out.draft_probs`) is verified by rejection sampling; a deterministic one (n-gram, greedy draft) by
+        sampling as plain decoding would and accepting it when the sample equals it, which is rejection sampling
+        for a one-hot draft and keeps greedy and seeded outputs exactly those of plain decoding. The first
+        rejected position keeps its sample; when all are accepted, the position after them is sampled too."""
         states = [self._requests[c.request_id] for c in chunks]
         first_row = list(itertools.accumulate((1 + c.num_proposed for c in chunks), initial=0))
-        if bitmask is not None and any(chunks[i].num_proposed for i in bitmask.row_indices):
-            raise ValueError("a request constrained by a grammar cannot verify proposed tokens")
-        out: dict[str, list[SampledToken]] = {c.request_id: [] for c in chunks}
+        mask_row = {}  # request id -> its first row in the grammar bitmask
+        if out.grammar_bitmask is not None:
+            proposed = {c.request_id: c.num_proposed for c in chunks}
+            mask_row = dict(zip(out.structured_request_ids, itertools.accumulate(
+                (1 + proposed[rid] for rid in out.structured_request_ids), initial=0), strict=False))
+        result: dict[str, list[SampledToken]] = {c.request_id: [] for c in chunks}
         active = list(range(len(chunks)))
         for j in range(1 + max(c.num_proposed for c in chunks)):
             rows = [SamplingRow(params=states[i].data.params, generator=states[i].generator,
@@ -92,26 +97,31 @@ class ModelRunner:
                                 stop_token_ids=states[i].data.stop_token_ids) for i in active]
             step_logits = logits if len(first_row) - 1 == logits.shape[0] else logits[
                 torch.tensor([first_row[i] + j for i in active], device=logits.device)]
-            result = sample(step_logits, rows, bitmask if j == 0 else None)
+            constrained = [(n, mask_row[chunks[i].request_id] + j) for n, i in enumerate(active)
+                           if chunks[i].request_id in mask_row]
+            bitmask = None if not constrained or out.grammar_bitmask is None else TokenBitmask(
+                row_indices=[n for n, _ in constrained],
+                bitmask=out.grammar_bitmask[torch.tensor([r for _, r in constrained])])
+            drafts = [self._draft(chunks[i], j, out.draft_probs) for i in active] if out.draft_probs else None
+            sampled = sample(step_logits, rows, bitmask, drafts)
             still = []
-            for i, tok, lp in zip(active, result.token_ids, result.logprobs, strict=True):
+            for i, tok, lp in zip(active, sampled.token_ids, sampled.logprobs, strict=True):
                 states[i].output_token_ids.append(tok)
-                out[chunks[i].request_id].append(SampledToken(tok, lp))
+                result[chunks[i].request_id].append(SampledToken(tok, lp))
                 if j < chunks[i].num_proposed and tok == chunks[i].new_token_ids[1 + j]:
                     still.append(i)
             if not still:
                 break
             active = still
-        return out
+        return result
 
     @staticmethod
-    def _token_bitmask(out: SchedulerOutput, sampled: Sequence[ScheduledChunk]) -> TokenBitmask | None:
-        """The grammar bitmask of the constrained rows among the `sampled` chunks (structured output), or None."""
-        if not out.structured_request_ids or out.grammar_bitmask is None:
+    def _draft(chunk: ScheduledChunk, position: int, draft_probs: dict[str, torch.Tensor]) -> DraftToken | None:
+        """The proposal a chunk verifies at `position`, with its draft distribution, if it was drawn from one."""
+        probs = draft_probs.get(chunk.request_id)
+        if probs is None or position >= chunk.num_proposed:
             return None
-        row = {c.request_id: i for i, c in enumerate(sampled)}
-        return TokenBitmask(row_indices=[row[rid] for rid in out.structured_request_ids],
-                            bitmask=out.grammar_bitmask)
+        return DraftToken(chunk.new_token_ids[1 + position], probs[position])
 
     # -- the model step ------------------------------------------------------------------------------------------
 

@@ -48,6 +48,15 @@ class TokenBitmask:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftToken:
+    """A proposed token drawn from a known distribution, for the row that verifies it (speculative decoding)."""
+
+    token_id: int
+    probs: torch.Tensor
+    """``[V]`` the draft distribution the token was drawn from."""
+
+
+@dataclass(frozen=True, slots=True)
 class SamplerOutput:
     """One sampled token per row, in row order."""
 
@@ -56,8 +65,8 @@ class SamplerOutput:
     """None for rows whose ``params.logprobs`` is None."""
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: TokenBitmask | None = None
-           ) -> SamplerOutput:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: TokenBitmask | None = None,
+           drafts: Sequence[DraftToken | None] | None = None) -> SamplerOutput:
     """Pick one token per row.
 
     Order (vLLM v1): every token outside ``allowed_token_ids``, the completing token of each ``bad_words``
@@ -67,12 +76,15 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     applies without the min_tokens mask, then alone); ``logit_bias``; repetition, frequency and presence penalties;
     greedy rows (temperature below 1e-5) take the argmax; the others divide by their temperature, apply min-p and
     top-k, then top-p, and sample by exponential race. A seeded row's token depends only on its own logits row and
-    generator.
+    generator. A non-greedy row with a draft token verifies it by rejection sampling against those final
+    probabilities (`ops.sampling.rejection_sample`): the draft token when accepted, a residual sample otherwise, so
+    the token is distributed as plain sampling's. (A greedy row takes the argmax: the draft is accepted iff equal.)
 
     Args:
         logits: ``[N, V]`` fp32; row i belongs to ``rows[i]``. Not modified.
         rows: N sampling rows.
         token_bitmask: the grammar-allowed tokens of the constrained rows, or None (no cost for the others).
+        drafts: per row, the draft token it verifies with its draft distribution, or None (plain sampling).
 
     Returns:
         The N token ids and, per row, its logprobs (computed from the raw ``logits``) or None.
@@ -90,7 +102,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
-        sampled = _sample_random(logits.index_select(0, idx), [rows[i] for i in random_rows])
+        sampled = _sample_random(logits.index_select(0, idx), [rows[i] for i in random_rows],
+                                 [drafts[i] for i in random_rows] if drafts is not None else None)
         token_ids.index_copy_(0, idx, sampled)
     return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(raw, token_ids, rows))
 
@@ -214,8 +227,9 @@ def _needs_filter(params: SamplingParams, vocab_size: int) -> bool:
     return 0 < params.top_k < vocab_size or params.top_p < 1.0 or params.min_p > 0.0
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """``logits [M, V]`` (penalised, non-greedy rows only) -> ``[M]`` sampled token ids."""
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                   drafts: Sequence[DraftToken | None] | None = None) -> torch.Tensor:
+    """``logits [M, V]`` (penalised, non-greedy rows only) -> ``[M]`` sampled (or draft-verified) token ids."""
     device, vocab_size = logits.device, logits.shape[1]
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
     logits = sampling_ops.apply_temperature(logits, temperature)
@@ -231,7 +245,23 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
             torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         )
         logits = logits.index_copy(0, idx, masked)
-    return sampling_ops.random_sample(logits.softmax(dim=-1), [r.generator for r in rows])
+    probs = logits.softmax(dim=-1)
+    verified = [i for i, d in enumerate(drafts or ()) if d is not None]
+    if not verified:
+        return sampling_ops.random_sample(probs, [r.generator for r in rows])
+    plain = [i for i in range(len(rows)) if drafts is None or drafts[i] is None]
+    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+    if plain:
+        idx = torch.tensor(plain, device=device)
+        tokens.index_copy_(0, idx, sampling_ops.random_sample(probs.index_select(0, idx),
+                                                              [rows[i].generator for i in plain]))
+    assert drafts is not None
+    picked = [d for d in drafts if d is not None]
+    idx = torch.tensor(verified, device=device)
+    tokens.index_copy_(0, idx, sampling_ops.rejection_sample(
+        probs.index_select(0, idx), torch.stack([d.probs for d in picked]).to(device),
+        torch.tensor([d.token_id for d in picked], device=device), [rows[i].generator for i in verified]))
+    return tokens
 
 
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:

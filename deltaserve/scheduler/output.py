@@ -66,8 +66,13 @@ class SchedulerOutput:
     """Sampling requests constrained by a grammar this step, in the row order of `grammar_bitmask`. Filled by the
     engine (its StructuredOutputManager) after `schedule()`; empty when no sampled row is constrained."""
     grammar_bitmask: torch.Tensor | None = None
-    """CPU int32 ``[len(structured_request_ids), ceil(vocab / 32)]``: bit j of word w allows token 32 * w + j (set by
-    the engine; the scheduler itself needs no torch). None when `structured_request_ids` is empty."""
+    """CPU int32 ``[R, ceil(vocab / 32)]``: bit j of word w allows token 32 * w + j (set by the engine; the scheduler
+    itself needs no torch). Each request of `structured_request_ids` has 1 + its chunk's `num_proposed` rows, in
+    order: the tokens allowed at each position of its verification, given the proposals before it. None when
+    `structured_request_ids` is empty."""
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per request whose proposals were drawn from a distribution: ``[num_proposed, vocab]`` fp32, row j the
+    distribution of proposal j (rejection sampling). Requests missing here verify deterministic proposals."""
 
     @property
     def num_tokens(self) -> int:

@@ -45,6 +45,10 @@ class StepEvent:
     request: Request
     tokens: list[SampledToken]
     finish_reason: FinishReason | None
+    num_proposed: int = 0
+    """Proposed tokens the step verified (speculative decoding)."""
+    num_accepted: int = 0
+    """Of which the verification accepted (tokens after a stop among them are still counted)."""
 
 
 class Scheduler:
@@ -162,7 +166,8 @@ class Scheduler:
             if chunk.num_proposed:
                 self.cache.commit_proposed(request, accepted)
             self.cache.commit(request)
-            events.append(StepEvent(request, tokens, reason))
+            events.append(StepEvent(request, tokens, reason, num_proposed=chunk.num_proposed,
+                                    num_accepted=len(result.sampled[chunk.request_id]) - 1))
             if reason is not None:
                 self._finish(request, reason)
         return events

@@ -38,6 +38,11 @@ class Grammar(ABC):
         """True once the constrained text is complete: nothing but a stop token may follow it."""
 
     @abstractmethod
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids` the grammar accepts in a row from its current state, which stays unchanged
+        (proposed tokens of speculative decoding are cut there)."""
+
+    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (rejected speculative tokens). RuntimeError if it cannot."""
 

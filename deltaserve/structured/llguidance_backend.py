@@ -77,6 +77,9 @@ class LLGuidanceGrammar(Grammar):
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        return self.matcher.validate_tokens(list(token_ids)) if token_ids else 0
+
     def rollback(self, num_tokens: int) -> None:
         if not self.matcher.rollback(num_tokens):
             raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self.matcher.get_error()}")

@@ -117,6 +117,24 @@ class StructuredOutputManager:
         self.backend().fill_bitmask(grammars, bitmask)
         return bitmask
 
+    def bitmask_along(self, proposals: Sequence[tuple[Grammar, Sequence[int]]]) -> torch.Tensor:
+        """CPU ``int32 [sum(1 + len(tokens)), ceil(vocab_size / 32)]``: for each (grammar, proposed tokens), in
+        order, the tokens allowed at each position of a speculative verification: now, then after each proposal
+        (which the grammar must accept; it is rolled back afterwards)."""
+        bitmask = allocate_bitmask(sum(1 + len(tokens) for _, tokens in proposals), self.vocab_size)
+        row = 0
+        for grammar, tokens in proposals:
+            grammar.fill_bitmask(bitmask, row)
+            for token in tokens:
+                if not grammar.accept_token(token):
+                    raise RuntimeError(f"the grammar rejected proposed token {token} it had validated")
+                row += 1
+                grammar.fill_bitmask(bitmask, row)
+            if tokens:
+                grammar.rollback(len(tokens))
+            row += 1
+        return bitmask
+
     def shutdown(self) -> None:
         """Stop the compile threads (pending compiles are cancelled or left to finish unobserved)."""
         if self._pool is not None:

@@ -51,6 +51,16 @@ class XGrammarGrammar(Grammar):
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        accepted = 0  # xgrammar's accept_token leaves the state unchanged when it refuses a token
+        for token in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return accepted
+
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 

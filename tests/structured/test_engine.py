@@ -227,6 +227,9 @@ class _AllowEverything(Grammar):
     def is_terminated(self) -> bool:
         return self.inner.is_terminated()
 
+    def validate_tokens(self, token_ids) -> int:
+        return self.inner.validate_tokens(token_ids)
+
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
 

@@ -12,6 +12,7 @@ apply_token_bitmask = dispatch.op("apply_token_bitmask", ref.apply_token_bitmask
 apply_temperature = dispatch.op("apply_temperature", ref.apply_temperature)
 apply_top_k_top_p_min_p = dispatch.op("apply_top_k_top_p_min_p", ref.apply_top_k_top_p_min_p)
 random_sample = dispatch.op("random_sample", ref.random_sample)
+rejection_sample = dispatch.op("rejection_sample", ref.rejection_sample)
 compute_logprobs = dispatch.op("compute_logprobs", ref.compute_logprobs)
 gather_logprobs = dispatch.op("gather_logprobs", ref.gather_logprobs)
 
@@ -23,5 +24,6 @@ __all__ = [
     "compute_logprobs",
     "gather_logprobs",
     "random_sample",
+    "rejection_sample",
     "token_counts",
 ]

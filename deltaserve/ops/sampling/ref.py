@@ -173,6 +173,47 @@ def random_sample(probs: Tensor, generators: Sequence[torch.Generator | None]) -
     return (probs / q).argmax(dim=-1)
 
 
+def rejection_sample(probs: Tensor, draft_probs: Tensor, draft_token_ids: Tensor,
+                     generators: Sequence[torch.Generator | None]) -> Tensor:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of one position per row.
+
+    Row i accepts its draft token ``x`` (drawn from ``q = draft_probs[i]``) with probability ``min(1, p(x) / q(x))``
+    for the target ``p = probs[i]``; otherwise it samples from ``max(p - q, 0)`` renormalised. The result is
+    distributed exactly as ``p`` whatever ``q`` is. A row's uniform and its residual race come from its own generator
+    (reproducible whatever the batch); unseeded rows draw batched from the default generator.
+
+    Args:
+        probs: ``[N, V]`` target probabilities after every logits processor (rows sum to 1); not modified.
+        draft_probs: ``[N, V]`` the distributions the draft tokens were drawn from.
+        draft_token_ids: ``[N]`` int64.
+        generators: N entries on ``probs.device``; each advances by one uniform and one [V] exponential draw.
+
+    Returns:
+        ``[N]`` int64 token ids: the draft token where accepted, a residual sample elsewhere (never the draft token,
+        whose residual is 0 when rejected).
+    """
+    num_rows = probs.shape[0]
+    if draft_probs.shape != probs.shape or draft_token_ids.shape != (num_rows,) or len(generators) != num_rows:
+        raise ValueError(f"rejection_sample: probs {tuple(probs.shape)}, draft_probs {tuple(draft_probs.shape)}, "
+                         f"draft_token_ids {tuple(draft_token_ids.shape)} and {len(generators)} generators disagree")
+    q = draft_probs.to(probs.dtype)
+    u = torch.empty(num_rows, dtype=probs.dtype, device=probs.device)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        u.index_copy_(0, torch.tensor(shared, device=probs.device),
+                      torch.rand(len(shared), dtype=probs.dtype, device=probs.device))
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, dtype=probs.dtype, device=probs.device, generator=g)[0]
+    x = draft_token_ids.to(device=probs.device, dtype=torch.long)[:, None]
+    p_x, q_x = probs.gather(1, x).squeeze(1), q.gather(1, x).squeeze(1)
+    accept = u * q_x < p_x  # u < p/q without a division (q_x > 0 for a token drawn from q)
+    residual = (probs - q).clamp_min(0)
+    # p == q up to rounding leaves no residual mass: such a row accepts with probability ~1; sample p if it did not.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
+    return torch.where(accept, x.squeeze(1), random_sample(residual, generators))
+
+
 def compute_logprobs(logits: Tensor) -> Tensor:
     """``log_softmax`` over the vocabulary in fp32: ``[N, V]`` -> ``[N, V]`` float32. Out of place."""
     return torch.log_softmax(logits.to(torch.float32), dim=-1)
