@@ -22,6 +22,7 @@ import llguidance
 
 from deltaserve.sampling_params import StructuredOutput
 from deltaserve.structured.backend import Grammar, StructuredOutputBackend, vocab_bytes
+from deltaserve.structured.schema_check import check_satisfiable
 from deltaserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the API process validates grammars without loading torch
@@ -109,6 +110,8 @@ class LLGuidanceBackend(StructuredOutputBackend):
         return LLGuidanceGrammar(matcher)
 
     def validate(self, structured: StructuredOutput) -> None:
+        if structured.kind == "json_schema":  # compiles, yet fails only after generation started (schema_check.py)
+            _check_satisfiable(structured)
         text, lltok = grammar_text(structured), self.lltokenizer(())
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, lltok)
         if is_error:
@@ -174,6 +177,13 @@ def grammar_text(structured: StructuredOutput) -> str:
     if structured.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(structured.spec)
     return llguidance.LLMatcher.grammar_from_lark(structured.spec)
+
+
+def _check_satisfiable(structured: StructuredOutput) -> None:
+    try:
+        check_satisfiable(structured.spec)
+    except ValueError as exc:
+        raise ValueError(_message(structured, str(exc))) from None
 
 
 def _message(structured: StructuredOutput, detail: str) -> str:

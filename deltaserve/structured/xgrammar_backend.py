@@ -16,6 +16,7 @@ import torch
 
 from deltaserve.sampling_params import StructuredOutput
 from deltaserve.structured.backend import Grammar, StructuredOutputBackend, set_allowed, vocab_bytes
+from deltaserve.structured.schema_check import check_satisfiable
 from deltaserve.text.tokenizer import Tokenizer
 
 MAX_ROLLBACK_TOKENS = 16
@@ -97,6 +98,7 @@ class XGrammarBackend(StructuredOutputBackend):
         xgr = self._xgr
         try:
             if structured.kind == "json_schema":
+                check_satisfiable(structured.spec)  # compiles, yet fails only once generating (schema_check.py)
                 xgr.Grammar.from_json_schema(_schema_text(structured.spec))
             elif structured.kind == "regex":
                 xgr.Grammar.from_regex(structured.spec)

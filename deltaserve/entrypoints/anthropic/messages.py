@@ -78,7 +78,10 @@ def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> Rend
     by /v1/messages and /v1/messages/count_tokens)."""
     fmt = frontend.chat_format
     frontend.check_model(body.model)
-    tools = [ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema)
+    for i, t in enumerate(body.tools or ()):
+        if t.input_schema is None:
+            raise bad_request(f"tools.{i}.input_schema: Field required")
+    tools = [ToolSpec(name=t.name, description=t.description or "", parameters=t.input_schema or {})
              for t in body.tools or ()]
     tc = body.tool_choice
     choice, forced = ("auto" if tools else "none"), None
@@ -115,6 +118,19 @@ def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> Rend
                           answer=answer, tools_active=bool(tools) and choice != "none")
 
 
+def _chars(blocks: str | list[ContentBlock] | None) -> int:
+    if blocks is None or isinstance(blocks, str):
+        return len(blocks or "")
+    return sum(len(b.text or "") + _chars(b.content) for b in blocks)
+
+
+def check_prompt_length(frontend: Frontend, body: CountTokensRequest) -> None:
+    """The cheap length check before rendering: the system prompt's and messages' text (and tool results) is in
+    the prompt verbatim (`Frontend.check_text_length`)."""
+    frontend.check_text_length(_chars(body.system) + sum(_chars(m.content) for m in body.messages),
+                               param="messages")
+
+
 class MessagesPlan:
     """Prompt ids and sampling params of one /v1/messages request."""
 
@@ -135,8 +151,11 @@ class MessagesPlan:
         elif prompt.answer is not None:
             frontend.validate_structured(prompt.answer, param="output_config.format")
             structured = fmt.constrain(prompt.answer, thinking=prompt.thinking)
-        values: dict[str, Any] = {"max_tokens": max_tokens, "stop": tuple(body.stop_sequences or ()),
-                                  "structured": structured}
+        stop = tuple(body.stop_sequences or ())
+        if len(stop) > frontend.config.max_stop_sequences:
+            raise bad_request(f"stop_sequences has {len(stop)} strings; the server accepts at most "
+                              f"{frontend.config.max_stop_sequences} (--max-stop-sequences)")
+        values: dict[str, Any] = {"max_tokens": max_tokens, "stop": stop, "structured": structured}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(body, name) is not None:
                 values[name] = getattr(body, name)
@@ -147,6 +166,12 @@ class MessagesPlan:
 
     def processors(self, frontend: Frontend):  # noqa: ANN201 - a SequenceProcessor factory
         return chat_processors(frontend, thinking=self.thinking, tools=self.tools_active)
+
+    @classmethod
+    async def make(cls, frontend: Frontend, body: MessagesRequest) -> MessagesPlan:
+        """The plan, rendered and validated off the event loop after the cheap length check."""
+        check_prompt_length(frontend, body)
+        return await frontend.offload(cls, frontend, body)
 
 
 def _stop_reason(reason: str | None, stop_string: str | None, has_tool_calls: bool) -> str:
@@ -166,7 +191,7 @@ def _tool_input(arguments: str) -> dict[str, Any] | None:
 
 
 async def create_message(frontend: Frontend, body: MessagesRequest) -> dict[str, Any]:
-    plan = MessagesPlan(frontend, body)
+    plan = await MessagesPlan.make(frontend, body)
     frontend.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(1)
@@ -195,10 +220,11 @@ async def create_message(frontend: Frontend, body: MessagesRequest) -> dict[str,
 
 
 async def create_message_stream(frontend: Frontend, body: MessagesRequest) -> AsyncIterator[str]:
-    plan = MessagesPlan(frontend, body)
+    plan = await MessagesPlan.make(frontend, body)
     frontend.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
-    stream = frontend.generate(message_id, plan.prompt_ids, plan.params, plan.processors(frontend))
+    stream = frontend.stream(message_id, frontend.generate(message_id, plan.prompt_ids, plan.params,
+                                                           plan.processors(frontend)))
     return _events(frontend, plan, message_id, stream)
 
 
@@ -285,4 +311,5 @@ async def _events(frontend: Frontend, plan: MessagesPlan, message_id: str,
 
 async def count_tokens(frontend: Frontend, body: CountTokensRequest) -> dict[str, Any]:
     """POST /v1/messages/count_tokens: the prompt's token count, rendered exactly as /v1/messages would."""
-    return {"input_tokens": len(render_messages_prompt(frontend, body).prompt_ids)}
+    check_prompt_length(frontend, body)
+    return {"input_tokens": len((await frontend.offload(render_messages_prompt, frontend, body)).prompt_ids)}

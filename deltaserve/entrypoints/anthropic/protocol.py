@@ -1,14 +1,24 @@
-"""Request body of POST /v1/messages (Anthropic Messages API), as pydantic models."""
+"""Request body of POST /v1/messages (Anthropic Messages API), as pydantic models.
+
+An explicit `null` for an optional field means "not given" (as on the OpenAI routes).
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deltaserve.entrypoints.server.json_body import drop_optional_nulls
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        return drop_optional_nulls(cls, data)
 
 
 class ContentBlock(_Model):
@@ -34,7 +44,8 @@ class MessageParam(_Model):
 class ToolDef(_Model):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
-    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    input_schema: dict[str, Any] | None = None
+    """Required by the API: a missing one is a 400 (Anthropic's status), checked when the prompt is rendered."""
 
 
 class ToolChoice(_Model):

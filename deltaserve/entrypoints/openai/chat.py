@@ -34,6 +34,9 @@ def to_chat_messages(messages: list[ChatMessageParam]) -> list[ChatMessage]:
     """OpenAI messages -> the renderers' neutral messages; 400 for content this server cannot render."""
     out = []
     for i, m in enumerate(messages):
+        if m.content is None and m.role != "assistant":  # the spec makes content required (and not null) but there
+            raise bad_request(f"a {m.role} message needs content (a string or a list of content parts)",
+                              param=f"messages.{i}.content")
         content = _text(m.content, param=f"messages.{i}.content")
         if m.role == "tool":
             if not m.tool_call_id:
@@ -59,6 +62,23 @@ def _text(content: Any, *, param: str) -> str:
                               param=f"{param}.{j}.type")
         parts.append(part.text)
     return "".join(parts)
+
+
+def prompt_chars(messages: list[ChatMessageParam]) -> int:
+    """Characters of the messages' content: text the prompt holds verbatim (for `Frontend.check_text_length`)."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content is not None:
+            total += sum(len(part.text or "") for part in m.content)
+    return total
+
+
+def check_prompt_length(frontend: Frontend, body: ChatCompletionRequest) -> None:
+    """The cheap length check before rendering (not with truncate_prompt_tokens, which makes a long prompt fit)."""
+    if body.truncate_prompt_tokens is None:
+        frontend.check_text_length(prompt_chars(body.messages), param="messages")
 
 
 def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest) -> RenderedPrompt:
@@ -149,10 +169,17 @@ class ChatPlan:
         self.params: SamplingParams = body.sampling_params(
             max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             max_n=frontend.config.max_n, vocab_size=frontend.client.info.vocab_size, structured=structured,
-            bad_words_token_ids=frontend.bad_words_token_ids(body.bad_words))
+            bad_words_token_ids=frontend.bad_words_token_ids(body.bad_words),
+            max_stop=frontend.config.max_stop_sequences)
 
     def processors(self, frontend: Frontend):  # noqa: ANN201 - a SequenceProcessor factory
         return chat_processors(frontend, thinking=self.thinking, tools=self.tools_active)
+
+    @classmethod
+    async def make(cls, frontend: Frontend, body: ChatCompletionRequest) -> ChatPlan:
+        """The plan, rendered and validated off the event loop after the cheap length check."""
+        check_prompt_length(frontend, body)
+        return await frontend.offload(cls, frontend, body)
 
 
 def _response_format(rf: ResponseFormat | None) -> StructuredOutput | None:
@@ -168,7 +195,7 @@ def _response_format(rf: ResponseFormat | None) -> StructuredOutput | None:
 
 async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> dict[str, Any]:
     """The non-streaming response body."""
-    plan = ChatPlan(frontend, body)
+    plan = await ChatPlan.make(frontend, body)
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(plan.params.n, hide_reasoning=plan.thinking and not plan.show_reasoning)
@@ -180,7 +207,7 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
     for i in range(plan.params.n):
         c = acc.choices[i]
         message: dict[str, Any] = {"role": "assistant", "content": c.content if c.content or not c.tool_calls
-                                   else None}
+                                   else None, "refusal": None}
         if plan.show_reasoning:
             message["reasoning_content"] = c.reasoning
         if c.tool_calls:
@@ -189,7 +216,7 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
                                      for t in c.tool_calls]
         choices.append({
             "index": i, "message": message,
-            "logprobs": {"content": chat_logprobs(frontend.tokenizer, c.logprobs, plan.tokens_as_ids)}
+            "logprobs": {"content": chat_logprobs(frontend.tokenizer, c.logprobs, plan.tokens_as_ids), "refusal": None}
             if plan.params.logprobs is not None else None,
             "finish_reason": _finish(c.finish_reason, bool(c.tool_calls)),
         })
@@ -204,11 +231,11 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
     """Validate now (errors become HTTP errors), then return the SSE event stream."""
     if body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not supported when streaming (as in vLLM)", param="prompt_logprobs")
-    plan = ChatPlan(frontend, body)
+    plan = await ChatPlan.make(frontend, body)
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend),
-                               priority=plan.priority)
+    stream = frontend.stream(request_id, frontend.generate(request_id, plan.prompt_ids, plan.params,
+                                                           plan.processors(frontend), priority=plan.priority))
     usage_mode = body.stream_options.usage_mode() if body.stream_options else None
     return _events(frontend, plan, request_id, stream, usage_mode)
 
@@ -248,7 +275,7 @@ async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: A
             choice: dict[str, Any] = {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": None}
             if send_logprobs:
                 choice["logprobs"] = {"content": chat_logprobs(frontend.tokenizer, update.logprobs,
-                                                               plan.tokens_as_ids)}
+                                                               plan.tokens_as_ids), "refusal": None}
             if update.finish_reason is not None:
                 c = acc.choices[update.index]
                 choice["finish_reason"] = _finish(update.finish_reason, bool(c.tool_calls))

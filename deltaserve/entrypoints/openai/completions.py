@@ -66,10 +66,20 @@ class CompletionPlan:
                                                     max_n=frontend.config.max_n,
                                                     vocab_size=frontend.client.info.vocab_size,
                                                     structured=structured, bad_words_token_ids=bad_words,
-                                                    prompt_logprobs=echo_logprobs))
+                                                    prompt_logprobs=echo_logprobs,
+                                                    max_stop=frontend.config.max_stop_sequences))
         self.n = body.n
         self.echo = body.echo
         self.priority = frontend.check_priority(body.priority)
+
+    @classmethod
+    async def make(cls, frontend: Frontend, body: CompletionRequest) -> CompletionPlan:
+        """The plan, tokenized and validated off the event loop after the cheap length check of text prompts."""
+        if body.truncate_prompt_tokens is None:
+            for p in _prompt_list(body.prompt):
+                if isinstance(p, str):
+                    frontend.check_text_length(len(p), param="prompt")
+        return await frontend.offload(cls, frontend, body)
 
 
 async def _merge(streams: list[AsyncGenerator[SequenceUpdate, None]], n: int
@@ -101,7 +111,7 @@ def _with_prompt(frontend: Frontend, prompt_ids: list[int], prompt_logprobs: lis
 
 
 async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, Any]:
-    plan = CompletionPlan(frontend, body)
+    plan = await CompletionPlan.make(frontend, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(plan.n * len(plan.prompts))
     async for update in _start(frontend, plan, request_id):
@@ -126,9 +136,9 @@ async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, A
 
 
 async def completion_stream(frontend: Frontend, body: CompletionRequest) -> AsyncIterator[str]:
-    plan = CompletionPlan(frontend, body)
+    plan = await CompletionPlan.make(frontend, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    stream = _start(frontend, plan, request_id)
+    stream = frontend.stream(request_id, _start(frontend, plan, request_id))
     usage_mode = body.stream_options.usage_mode() if body.stream_options else None
     return _events(frontend, plan, body, request_id, stream, usage_mode)
 

@@ -50,7 +50,7 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[Any], text_offse
         text, raw = _token(tokenizer, lp.token_id, as_ids)
         tokens.append(text)
         values.append(lp.logprob)
-        tops.append({_token(tokenizer, tid, as_ids)[0]: value for tid, value in lp.top} or None)
+        tops.append({_token(tokenizer, tid, as_ids)[0]: value for tid, value in lp.top})  # {} for logprobs=0
         offsets.append(offset)
         offset += char_len(raw)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -2,7 +2,8 @@
 
 Field names and defaults follow the OpenAI API; vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output) are accepted too.
-Unknown fields are ignored, as the OpenAI API does.
+Unknown fields are ignored, as the OpenAI API does, and an explicit `null` for an optional field means "not given"
+(the OpenAI API and vLLM accept null wherever the spec marks a field nullable; here every optional field takes it).
 """
 
 from __future__ import annotations
@@ -11,14 +12,21 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deltaserve.entrypoints.server.errors import bad_request
+from deltaserve.entrypoints.server.json_body import drop_optional_nulls
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        return drop_optional_nulls(cls, data)
+
 
 
 class StreamOptions(_Request):
@@ -109,15 +117,19 @@ class SamplingFields(_Request):
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, max_n: int, vocab_size: int,
                         structured: StructuredOutput | None = None, skip_special_tokens: bool | None = None,
-                        bad_words_token_ids: tuple[tuple[int, ...], ...] = (), prompt_logprobs: int | None = None
-                        ) -> SamplingParams:
-        """SamplingParams from these fields; 400 naming the field for an invalid value."""
+                        bad_words_token_ids: tuple[tuple[int, ...], ...] = (), prompt_logprobs: int | None = None,
+                        max_stop: int | None = None) -> SamplingParams:
+        """SamplingParams from these fields; 400 naming the field for an invalid value (and for more than
+        `max_stop` stop strings)."""
         if not 1 <= self.n <= max_n:
             raise bad_request(f"n must be between 1 and {max_n}, got {self.n}", param="n")
         bias = _token_bias(self.logit_bias or {}, vocab_size)
         if self.allowed_token_ids is not None and any(not 0 <= t < vocab_size for t in self.allowed_token_ids):
             raise bad_request(f"allowed_token_ids must be token ids in [0, {vocab_size})", param="allowed_token_ids")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if max_stop is not None and len(stop) > max_stop:
+            raise bad_request(f"stop has {len(stop)} strings; the server accepts at most {max_stop} "
+                              "(--max-stop-sequences)", param="stop")
         values: dict[str, Any] = {
             "n": self.n, "max_tokens": max_tokens, "min_tokens": self.min_tokens, "seed": self.seed,
             "stop": tuple(stop), "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,

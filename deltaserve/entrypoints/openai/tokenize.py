@@ -20,11 +20,11 @@ TOKENIZE_REQUEST: TypeAdapter[TokenizeChatRequest | TokenizeCompletionRequest] =
 
 async def tokenize(frontend: Frontend, body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict[str, Any]:
     """`{"count", "max_model_len", "tokens", "token_strs"}` as vLLM answers (token_strs only when asked)."""
-    if isinstance(body, TokenizeChatRequest):
-        ids = render_chat_prompt(frontend, body).prompt_ids
+    if isinstance(body, TokenizeChatRequest):  # rendered and tokenized off the event loop (a body of megabytes)
+        ids = (await frontend.offload(render_chat_prompt, frontend, body)).prompt_ids
     else:
         frontend.check_model(body.model)
-        ids = frontend.tokenizer.encode(body.prompt)
+        ids = await frontend.offload(frontend.tokenizer.encode, body.prompt)
     if body.truncate_prompt_tokens is not None:  # as the generation routes would
         ids = ids[-frontend.truncation(body.truncate_prompt_tokens):]
     strs = [frontend.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None

@@ -4,13 +4,22 @@ It owns the engine client, the tokenizer and chat format, the limits and the met
 through the shared `OutputProcessor` (engine/output_processor.py: `n` fan-out, one `SequenceProcessor` per
 sequence, stop strings), with the server's latency metrics as its observer, and turns engine errors into API
 errors. Closing the generator early (client gone) aborts every sequence still running in the engine.
+
+Rendering and tokenizing a prompt can take seconds for a body of megabytes, so the routes do it in `offload`'s small
+thread pool, never on the event loop (tiktoken and `tokenizers`' batch encode release the GIL; pure-Python rendering
+yields it every few milliseconds). Before that, `check_text_length` refuses text that could not fit the context
+whatever its tokenization, at the cost of counting characters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
 
 from deltaserve.chat.format import ChatFormat
 from deltaserve.chat.messages import ToolSpec
@@ -19,9 +28,16 @@ from deltaserve.engine.output_processor import ChatProcessor, OutputProcessor, S
 from deltaserve.engine.protocol import EngineClient, EngineDeadError, EngineRequestError
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.metrics import ServerMetrics
+from deltaserve.entrypoints.server.stream_buffer import bounded_stream
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 from deltaserve.structured.backend import StructuredOutputBackend
+from deltaserve.structured.schema_check import check_satisfiable
 from deltaserve.text.tokenizer import Tokenizer
+
+P = ParamSpec("P")
+R = TypeVar("R")
+RENDER_THREADS = 4
+"""Prompts rendered and tokenized at once; more wait for a thread (each holds its body's text and token ids)."""
 
 
 def chat_processors(frontend: Frontend, *, thinking: bool, tools: bool) -> Callable[[SamplingParams], ChatProcessor]:
@@ -53,6 +69,36 @@ class Frontend:
         self.eos_token_ids = frozenset(client.info.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self.structured_backend = structured_backend
         self.output = OutputProcessor(client, eos_token_ids=self.eos_token_ids, metrics=metrics)
+        self.max_token_bytes = max((len(tokenizer.decode_bytes([i])) for i in range(tokenizer.vocab_size)),
+                                   default=1)
+        """UTF-8 bytes of the longest token: a text of C characters has at least C / this many tokens."""
+        self._render_pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="render")
+
+    async def offload(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`fn(*args, **kwargs)` in the render thread pool (prompt rendering, tokenizing, grammar validation), so
+        that a large body does not stall every other request's stream."""
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    def check_text_length(self, num_chars: int, *, param: str) -> None:
+        """400 before tokenizing when `num_chars` characters of prompt text cannot fit `max_model_len` whatever
+        their tokenization. Sound for a byte-level BPE, where the tokens of a text spell its UTF-8 bytes (at least
+        one per character) and none spells more than `max_token_bytes`: such a text has at least
+        num_chars / max_token_bytes tokens. Text that passes is tokenized and checked exactly."""
+        limit = self.max_model_len * self.max_token_bytes
+        if num_chars > limit:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                              f"prompt has {num_chars} characters, more than {self.max_model_len} tokens can hold "
+                              f"(at most {limit} characters: no token of this model is longer than "
+                              f"{self.max_token_bytes} bytes). Please reduce the length of the prompt.",
+                              param=param, code="context_length_exceeded")
+
+    def stream(self, request_id: str, updates: AsyncGenerator[SequenceUpdate, None]
+               ) -> AsyncGenerator[SequenceUpdate, None]:
+        """A streaming response's updates, the request aborted once its client leaves more than
+        `max_unread_stream_tokens` generated tokens unread (stream_buffer.py)."""
+        return bounded_stream(updates, max_unread_tokens=self.config.max_unread_stream_tokens,
+                              request_id=request_id)
 
     @property
     def max_model_len(self) -> int:
@@ -75,7 +121,15 @@ class Frontend:
                               name: str | None = None) -> None:
         """400 for a forced tool call whose grammar cannot be compiled, naming the tool whose parameter schema is
         at fault (`name`: the one forced function, else every tool is in the grammar). Checked before queueing,
-        so that a streaming request gets it as an HTTP error."""
+        so that a streaming request gets it as an HTTP error. A parameter schema that admits no value (which the
+        grammar compiles, to fail only mid-generation) is refused too (structured/schema_check.py)."""
+        for i, tool in enumerate(tools):
+            if name is None or tool.name == name:
+                try:
+                    check_satisfiable(json.dumps(tool.parameters))
+                except ValueError as exc:
+                    raise bad_request(f"invalid parameters of tool {tool.name!r}: {exc}", param=f"{param}[{i}]",
+                                      code="invalid_structured_output") from exc
         try:
             self.structured_backend.validate(grammar)
         except ValueError as exc:

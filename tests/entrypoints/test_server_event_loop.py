@@ -1,0 +1,115 @@
+"""End to end: a request of megabytes is rendered and tokenized off the event loop, and a client that stops reading
+a stream does not make the server buffer its output without bound.
+
+The server runs a tiny checkpoint whose tokenizer is in Kimi's own format (`tiktoken.model`, as real Kimi checkpoints
+ship it) and whose context is raised to 1M tokens, so that an 8 MB prompt passes the cheap length check and is
+really tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deltaserve.text.tiny_tokenizer import write_tiny_tokenizer
+from tests.conftest import TINY_VARIANTS
+from tests.entrypoints.server_fixture import API_KEY, LiveServer, start_server, stop_server
+
+BIG_BODY_BYTES = 8 * 2**20
+MAX_UNREAD = 64
+
+
+@pytest.fixture(scope="module")
+def long_server(tiny_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("tiny-tiktoken-1m") / "model"
+    shutil.copytree(tiny_dir("base"), model)
+    write_tiny_tokenizer(model, TINY_VARIANTS["base"].vocab, fmt="tiktoken")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_max_length": 1 << 20}))
+    live = start_server(model, tmp_path_factory.mktemp("server-long"), "--max-unread-stream-tokens", str(MAX_UNREAD),
+                        "--max-request-bytes", str(BIG_BODY_BYTES + 2**20))
+    yield live
+    stop_server(live)
+
+
+def _raw_post(server: LiveServer, path: str, body: bytes, rcvbuf: int | None = None) -> socket.socket:
+    """A connection with `body` POSTed on it (sent whole); the response is the caller's to read."""
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if rcvbuf is not None:  # before connecting, so the TCP window is small from the start
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, int(port)))
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_an_8mb_prompt_does_not_stall_the_event_loop(long_server):
+    """While an 8 MB chat body is tokenized, /health keeps answering: probes complete before the big response
+    arrives. The longest probe round trip is the event loop's longest stall (docs/benchmarks.md)."""
+    words = "the scheduler gives each request tokens under a budget; "
+    content = (words * (BIG_BODY_BYTES // len(words)))[:BIG_BODY_BYTES - 200]
+    body = json.dumps({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": content}]}).encode()
+    assert len(body) <= BIG_BODY_BYTES
+    response: list[bytes] = []
+    sent = time.perf_counter()
+    sock = _raw_post(long_server, "/v1/chat/completions", body)  # returns once the whole body is handed to TCP
+    reader = threading.Thread(target=lambda: response.append(_read_all(sock)))
+    reader.start()
+    probes_during: list[float] = []
+    with httpx.Client(base_url=long_server.url, timeout=120) as probe:
+        while reader.is_alive():
+            start = time.perf_counter()
+            status = probe.get("/health").status_code
+            took = time.perf_counter() - start
+            if not response:  # the big response had not arrived when this probe finished
+                probes_during.append(took)
+            assert status == 200
+    reader.join()
+    sock.close()
+    total = time.perf_counter() - sent
+    head, _, payload = response[0].partition(b"\r\n\r\n")
+    # 8 MB of this text is ~1.6M tokens: refused after tokenizing, as too long for the KV cache of the tiny model
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert json.loads(payload)["error"]["code"] == "context_length_exceeded"
+    assert probes_during, "no /health probe finished while the 8 MB request was processed"
+    print(f"\n8 MB chat request answered in {total:.2f} s; {len(probes_during)} /health probes meanwhile, the longest "
+          f"took {max(probes_during) * 1000:.1f} ms")
+
+
+def test_a_client_that_stops_reading_gets_its_request_aborted(long_server):
+    """A streaming client that reads nothing more: the server aborts the request once MAX_UNREAD generated
+    tokens wait unread (logged), instead of buffering the whole output; the engine is then free for others."""
+    # 64 sequences with 20 logprobs per token: ~35 kB of events per step, past the socket buffers (a few MB, which
+    # hold what a stalled client leaves before the server's writes wait) within a couple of hundred steps
+    body = json.dumps({"model": "tiny", "prompt": ["Slow readers"] * 16, "n": 4, "max_tokens": 1000, "stream": True,
+                       "logprobs": 20, "ignore_eos": True}).encode()
+    sock = _raw_post(long_server, "/v1/completions", body, rcvbuf=4096)
+    assert sock.recv(64).startswith(b"HTTP/1.1 200")  # the stream started; from here on nothing is read
+    log: Path = long_server.log
+    deadline = time.monotonic() + 300
+    while "generated tokens unread" not in (text := log.read_text()):
+        assert time.monotonic() < deadline, f"no abort logged:\n{text[-3000:]}"
+        time.sleep(0.2)
+    line = next(line for line in text.splitlines() if "generated tokens unread" in line)
+    assert f"the limit is {MAX_UNREAD}" in line
+    sock.close()
+    # the engine is not busy with the abandoned request: a new one completes
+    done = httpx.post(f"{long_server.url}/v1/completions", headers=long_server.headers(), timeout=120,
+                      json={"model": "tiny", "prompt": "Next", "max_tokens": 3, "ignore_eos": True})
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
