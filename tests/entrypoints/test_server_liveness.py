@@ -20,8 +20,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
+import zmq
 
+from deltaserve.engine.core_proc import HeartbeatThread
+from deltaserve.engine.messages import HEARTBEAT_INTERVAL_S, EngineOutput, Heartbeat
 from tests.entrypoints.server_fixture import LiveServer, start_server, stop_server
 
 DEADLINE_S = 120.0
@@ -142,6 +146,28 @@ def test_request_past_its_deadline_gets_504_and_frees_its_cache(live):
     ok = httpx.post(f"{live.url}/v1/completions", headers=live.headers(), timeout=DEADLINE_S,
                     json=completion_body(live, max_tokens=4))
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_heartbeat_thread_beats_while_the_loop_thread_holds_the_gil(tmp_path):
+    """A long step is not a missed heartbeat: the beat thread runs while the main thread never releases the GIL by
+    itself (Python switches threads every few milliseconds)."""
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    address = f"ipc://{tmp_path}/beats"
+    pull.bind(address)
+    beats_at: list[float] = []
+    beat = HeartbeatThread(ctx, address, lambda: beats_at.append(time.monotonic()) or 7)
+    try:
+        end = time.monotonic() + 4 * HEARTBEAT_INTERVAL_S
+        while time.monotonic() < end:  # pure Python: like a step that holds the GIL
+            pass
+        assert any(t < end for t in beats_at)
+        assert pull.poll(DEADLINE_S * 1000)
+        assert msgspec.msgpack.Decoder(EngineOutput).decode(pull.recv()) == Heartbeat(step=7)
+    finally:
+        beat.stop()
+        pull.close(linger=0)
+        ctx.term()
 
 
 def _raw_exchange(server: LiveServer, data: bytes) -> bytes:
