@@ -87,7 +87,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltaserve.bench import executor_overhead, followup, http_overhead, offline, serve, sweep, trace_replay
+    from deltaserve.bench import executor_overhead, followup, http_overhead, offline, serve, spec, sweep, trace_replay
     from deltaserve.config import CacheConfig, ParallelConfig, SchedulerConfig, ServerConfig
     from deltaserve.models.tiny_spec import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     executor_overhead.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     sweep.add_parser(bench_sub)
+    spec.add_parser(bench_sub)
     return parser
 
 
