@@ -237,7 +237,7 @@ async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:
     """One benchmark run against a live server; returns the result dict (also printed and, if asked, saved)."""
     import httpx
 
-    from deltaserve.bench import endpoint
+    from deltaserve.bench import endpoint, spec_metrics
 
     headers = request_headers(cfg)
     limit = cfg.max_concurrency or 1000
@@ -259,16 +259,23 @@ async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:
             await runner.check(data)
         print(traffic_lines(cfg), flush=True)
         before = await endpoint.scrape_counters(client, cfg.url, headers)
+        pos_before = await spec_metrics.scrape_accepted_per_pos(client, cfg.url, headers)
         outcomes, duration = await runner.run(data, delays)
         after = await endpoint.scrape_counters(client, cfg.url, headers)
+        pos_after = await spec_metrics.scrape_accepted_per_pos(client, cfg.url, headers)
     result = assemble_result(cfg, model, data, outcomes, duration,
                              count_tokens=lambda text: len(tokenizer.encode(text, allow_special=False)),
                              tokenizer_id=tokenizer_id)
     result |= endpoint.counter_metrics(before, after)
+    if result.get("spec_decode_num_drafts"):
+        result["spec_decode_per_position_acceptance_rates"] = spec_metrics.per_position_rates(
+            pos_before, pos_after, result["spec_decode_num_drafts"])
     result["prefix_cache_flushed"] = flushed
     warn_unexpected_hits(cfg, result)
     print(format_table(result, selected=parse_metric_names(cfg.percentile_metrics or "ttft,tpot,itl"),
                        percentiles=parse_percentiles(cfg.metric_percentiles)))
+    if spec_section := spec_metrics.spec_decode_section(result):
+        print(spec_section)
     if cfg.save_result or cfg.append_result:
         save_result(cfg, result)
     return result

@@ -12,6 +12,7 @@ import pytest
 
 from deltaserve.bench.spec import SpecBenchArgs, acceptance, parse_batch_sizes, run
 from deltaserve.bench.spec import SpecCounters as C
+from deltaserve.bench.spec_metrics import parse_accepted_per_pos, per_position_rates, spec_decode_section
 from deltaserve.bench.spec_workloads import build_workload, code_edits
 from deltaserve.default_model import default_model_dir
 from deltaserve.entrypoints.cli import main
@@ -130,3 +131,52 @@ def test_random_prompts_use_ordinary_ids_only(embedded_tokenizer):
     w = build_workload("random", embedded_tokenizer, str(default_model_dir()), 3, seed=0)
     special = set(embedded_tokenizer.special_tokens.values())
     assert all(len(p) == 128 and not special & set(p) for p in w.prompts)
+
+
+METRICS_TEXT = """# HELP deltaserve:spec_decode_num_accepted_tokens_per_pos_total Accepted proposed tokens by position.
+deltaserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 7.0
+deltaserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 3.0
+deltaserve:spec_decode_num_accepted_tokens_per_pos_created{model_name="tiny",position="0"} 1.7e9
+deltaserve:spec_decode_num_drafts_total{model_name="tiny"} 10.0
+"""
+
+
+def test_per_position_acceptance_from_metrics_text():
+    after = parse_accepted_per_pos(METRICS_TEXT)
+    assert after == {0: 7.0, 1: 3.0}
+    assert per_position_rates({0: 1.0}, after, drafts=4) == [1.5, 0.75]
+    assert per_position_rates({}, after, drafts=0) == []
+
+
+def test_spec_decode_section_only_when_drafts_were_verified():
+    assert spec_decode_section({"spec_decode_num_drafts": 0}) == ""
+    text = spec_decode_section({"spec_decode_num_drafts": 4, "spec_decode_acceptance_rate": 50.0,
+                                "spec_decode_acceptance_length": 2.0, "spec_decode_draft_tokens": 8,
+                                "spec_decode_accepted_tokens": 4,
+                                "spec_decode_per_position_acceptance_rates": [0.75, 0.25]})
+    assert "Speculative Decoding" in text and "Acceptance length:" in text and "2.00" in text
+    assert "Position 0:" in text and "75.00" in text and "Position 1:" in text
+
+
+def test_bench_serve_reports_acceptance_of_a_speculative_server(tiny_dir, tmp_path, capsys):
+    """Against `deltaserve serve --speculative-config` (n-gram), `bench serve` reports the acceptance length,
+    rate and per-position acceptance of its own run (from /metrics before and after) in the JSON and the table."""
+    from tests.entrypoints.server_fixture import API_KEY, start_server, stop_server
+
+    server = start_server(tiny_dir("base"), tmp_path, "--speculative-config", NGRAM)
+    try:
+        rc = main(["--log-level", "WARNING", "bench", "serve", "--base-url", server.url, "--model",
+                   str(tiny_dir("base")), "--header", f"Authorization=Bearer {API_KEY}", "--disable-tqdm",
+                   "--num-prompts", "3", "--random-input-len", "48", "--random-output-len", "24",
+                   "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+    finally:
+        stop_server(server)
+    assert rc == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    drafts = result["spec_decode_num_drafts"]
+    assert drafts > 0
+    assert result["spec_decode_acceptance_length"] == pytest.approx(1 + result["spec_decode_accepted_tokens"] / drafts)
+    rates = result["spec_decode_per_position_acceptance_rates"]
+    assert 1 <= len(rates) <= 2 and rates == sorted(rates, reverse=True)
+    assert sum(rates) * drafts == pytest.approx(result["spec_decode_accepted_tokens"])
+    assert "Speculative Decoding" in capsys.readouterr().out
