@@ -48,17 +48,6 @@ def chat_processors(frontend: Frontend, *, thinking: bool, tools: bool) -> Calla
     return make
 
 
-def _in_worker(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-    try:
-        return fn(*args, **kwargs)
-    except ApiError as exc:
-        # A client error's traceback holds the frames that raised it, and their locals hold what was built so far
-        # (the id list of a prompt found too long: millions of ints). Dropped here, that list is freed in this
-        # thread; carried to the event loop, freeing it there would stall every other request for tens of ms.
-        exc.__cause__ = exc.__context__ = None
-        raise exc.with_traceback(None) from None
-
-
 class Frontend:
     """Shared state of the API process: engine client, tokenizer, chat format, limits and metrics."""
 
@@ -89,7 +78,7 @@ class Frontend:
         """`fn(*args, **kwargs)` in the render thread pool (prompt rendering, tokenizing, grammar validation), so
         that a large body does not stall every other request's stream."""
         return await asyncio.get_running_loop().run_in_executor(self._render_pool,
-                                                                functools.partial(_in_worker, fn, *args, **kwargs))
+                                                                functools.partial(fn, *args, **kwargs))
 
     def check_text_length(self, num_chars: int, *, param: str) -> None:
         """400 before tokenizing when `num_chars` characters of prompt text cannot fit `max_model_len` whatever
