@@ -96,7 +96,9 @@ class _TokenizersBackend:
 
     def encode(self, text: str, allow_special: bool) -> list[int]:
         tok = self._tok if allow_special else self._plain
-        return tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a megabyte prompt tokenized in the server's thread pool
+        # must not freeze the event loop. Same ids.
+        return tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
