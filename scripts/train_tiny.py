@@ -322,6 +322,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core machine)")
     ap.add_argument("--time-limit-min", type=float, default=0, help="stop early (and save) after this many minutes")
     ap.add_argument("--save-every", type=int, default=50)
+    ap.add_argument("--time-schedule", action="store_true",
+                    help="with --time-limit-min: the lr schedule also advances with wall time, so it completes when "
+                         "the time limit stops the run on a slow machine (not deterministic then)")
     ap.add_argument("--synthetic", type=float, default=0.0,
                     help="share of tool tasks with made-up argument values (copy training; see make_tool_data.py)")
     ap.add_argument("--plain-share", type=float, default=0.15, help="share of conversations answered without a tool")
@@ -419,8 +422,11 @@ def main() -> None:  # noqa: PLR0915 - a linear script
     tokens = 0
     step = 0
     for step in range(args.steps):
+        sched_step = step
+        if args.time_schedule and args.time_limit_min:
+            sched_step = max(step, int((time.time() - t_train) / (args.time_limit_min * 60) * args.steps))
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            group["lr"] = lr_at(sched_step, args.steps, args.lr, args.warmup)
         ids, kind = batches.batch(args.batch)
         ids, kind = ids.to(device), kind.to(device)
         logits = model(input_ids=ids).logits

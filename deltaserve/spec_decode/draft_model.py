@@ -34,6 +34,7 @@ import torch
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.layers.forward_batch import KDALayerCache
 from deltaserve.models.loader import load_model
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.request import Request
@@ -122,8 +123,9 @@ class DraftModelProposer:
     @property
     def memory_bytes(self) -> int:
         weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
-        caches = sum(t.numel() * t.element_size() for c in self.runner.caches for t in vars(c).values()
-                     if isinstance(t, torch.Tensor))
+        tensors = [t for c in self.runner.caches for t in ((c.state, c.conv) if isinstance(c, KDALayerCache)
+                                                            else (c.kv,))]
+        caches = sum(t.numel() * t.element_size() for t in tensors)
         return weights + caches
 
     def forget(self, request_id: str) -> None:
