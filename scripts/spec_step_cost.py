@@ -58,8 +58,8 @@ def measure(model: str, batch: int, j: int, steps: int, prompt_len: int) -> dict
     assert isinstance(core.executor, UniprocExecutor)
     inside: dict[str, float] = collections.defaultdict(float)
     started: dict[int, float] = {}
-    model: Any = core.executor.worker.model  # a KimiLinearForCausalLM (the Model protocol has no layer list)
-    for layer in model.decoder_layers:
+    target: Any = core.executor.worker.model  # a KimiLinearForCausalLM (the Model protocol has no layer list)
+    for layer in target.decoder_layers:
         for mod in (layer.self_attn, layer.mlp):
             kind = type(mod).__name__
             mod.register_forward_pre_hook(lambda m, a: started.__setitem__(id(m), time.perf_counter()))
