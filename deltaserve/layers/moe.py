@@ -48,8 +48,10 @@ def gated_activation(cfg: ActivationConfig, interleaved: bool = False) -> Callab
 
 def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
                  cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 router (model-spec §5) on ``x [T, d]``: ``(topk_weights [T, k] fp32, topk_ids [T, k])``."""
-    logits = F.linear(x.float(), gate_weight)  # [T, E] fp32
+    """The fp32 router (model-spec §5) on ``x [T, d]``: ``(topk_weights [T, k] fp32, topk_ids [T, k])``; fp64 for
+    an fp64 model (the fp64 oracle must not round anywhere)."""
+    cdt = torch.promote_types(x.dtype, torch.float32)  # fp32 for fp32/bf16 models (unchanged), fp64 for fp64
+    logits = F.linear(x.to(cdt), gate_weight.to(cdt))  # [T, E]
     return moe_route(
         logits, correction_bias, top_k=cfg.top_k, num_expert_group=cfg.num_expert_group,
         topk_group=cfg.topk_group, renormalize=cfg.renormalize,

@@ -47,7 +47,9 @@ class K3DecoderLayer(nn.Module):
         if config.layer_kinds[layer_id] == "kda":
             a_log_size = -(-config.kda.num_heads // A_LOG_PAD) * A_LOG_PAD
             self.self_attn: KDAttention | MLAttention = KDAttention(
-                config.kda, d, self.eps, layer_id, dtype, a_log_size=a_log_size, k3_precision=True
+                # K3 keeps the conv, o_norm and beta in (at least) fp32; an fp64 model (the oracle) runs them in
+                # fp64 like everything else, which the plain dtype path does.
+                config.kda, d, self.eps, layer_id, dtype, a_log_size=a_log_size, k3_precision=dtype != torch.float64
             )
         else:
             self.self_attn = MLAttention(config.mla, d, dtype)
@@ -134,8 +136,10 @@ class KimiK3ForConditionalGeneration(nn.Module):
         return _DENSE_ALIAS.sub(r"\1mlp.\2", name)
 
     def cache_specs(self) -> list[KVCacheSpec | StateCacheSpec]:
-        """As Kimi Linear, but the conv windows are fp32: K3's conv weights are fp32 and its conv runs in fp32."""
-        return layer_cache_specs(self.config, kv_dtype=str(self.dtype).removeprefix("torch."), conv_dtype="float32")
+        """As Kimi Linear, but the conv windows are fp32: K3's conv weights are fp32 and its conv runs in fp32
+        (fp64 for an fp64 model, the oracle)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return layer_cache_specs(self.config, kv_dtype=dtype, conv_dtype="float64" if dtype == "float64" else "float32")
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""

@@ -24,9 +24,11 @@ _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.((?:gate|up
 
 
 def layer_cache_specs(config: ModelConfig, *, kv_dtype: str, conv_dtype: str) -> list[KVCacheSpec | StateCacheSpec]:
-    """Per layer: an MLA latent row per token (`kv_dtype`) or a KDA slot (fp32 recurrent state, conv window in
-    `conv_dtype`). Shared by every KDA/MLA hybrid."""
+    """Per layer: an MLA latent row per token (`kv_dtype`) or a KDA slot (recurrent state in at least fp32, conv
+    window in `conv_dtype`). Shared by every KDA/MLA hybrid."""
     specs: list[KVCacheSpec | StateCacheSpec] = []
+    # The recurrent state is at least fp32: fp64 for an fp64 model (the oracle), fp32 for fp32 and bf16.
+    recurrent_dtype = str(torch.promote_types(getattr(torch, kv_dtype), torch.float32)).removeprefix("torch.")
     for i, kind in enumerate(config.layer_kinds):
         if kind == "mla":
             specs.append(KVCacheSpec(layer_id=i, row_width=config.mla.cache_row_width, dtype=kv_dtype))
@@ -34,7 +36,7 @@ def layer_cache_specs(config: ModelConfig, *, kv_dtype: str, conv_dtype: str) ->
             h, dh, k = config.kda.num_heads, config.kda.head_dim, config.kda.conv_kernel_size
             specs.append(
                 StateCacheSpec(
-                    layer_id=i, recurrent_shape=(h, dh, dh), recurrent_dtype="float32",
+                    layer_id=i, recurrent_shape=(h, dh, dh), recurrent_dtype=recurrent_dtype,
                     conv_shape=(3 * h * dh, k - 1), conv_dtype=conv_dtype,
                 )
             )

@@ -22,7 +22,7 @@ def ref_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     Returns:
         ``[..., D]`` tensor, ``weight * cast_to_input_dtype(x32 * rsqrt(mean(x32**2) + eps))``.
     """
-    x32 = x.to(torch.float32)
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (the fp64 oracle must not round)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 
@@ -41,9 +41,10 @@ def ref_gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> T
     Returns:
         ``[..., D]`` tensor in ``x.dtype``: ``w32 * (x32 * rsqrt(mean(x32**2) + eps)) * sigmoid(gate32)``.
     """
-    x32 = x.to(torch.float32)
+    cdt = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs (the fp64 oracle)
+    x32 = x.to(cdt)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight.to(torch.float32) * normed * torch.sigmoid(gate.to(torch.float32))
+    out = weight.to(cdt) * normed * torch.sigmoid(gate.to(cdt))
     return out.to(x.dtype)
 
 

@@ -47,14 +47,15 @@ def moe_route(
     Raises:
         ValueError: unknown ``scoring_func``, or ``E`` not divisible by ``num_expert_group``.
     """
-    logits = router_logits.to(torch.float32)
+    # At least fp32: fp64 logits (an fp64 model, the reference oracle) keep their precision.
+    logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
     if scoring_func == "sigmoid":
         scores = logits.sigmoid()
     elif scoring_func == "softmax":
         scores = logits.softmax(dim=-1)
     else:
         raise ValueError(f"scoring_func must be 'sigmoid' or 'softmax', got {scoring_func!r}")
-    choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)  # [T, E]
+    choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)  # [T, E]
 
     if num_expert_group > 1 and topk_group < num_expert_group:
         num_tokens, num_experts = choice.shape
