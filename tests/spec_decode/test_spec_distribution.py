@@ -46,7 +46,8 @@ of max(p - q, 0) after a rejection then moves the histograms too little for NUM_
 Q_EXPONENT = -0.5
 """q favours the tokens the plain run produced least: deliberately unlike p."""
 MAX_TOKENS = 4
-"""Tokens per request: with k >= 2 proposals, tokens 2 and 3 are verified drafts (or residual samples)."""
+"""Tokens per request: a step proposes at most max_tokens - 1 - (tokens so far) (room for the bonus token), so
+with k = 2 tokens 2 and 3 are verified drafts (or residual samples)."""
 NUM_SEEDS = 2048
 """Requests per run (the slow variant: 8x)."""
 MAX_NUM_SEQS = 256
@@ -78,14 +79,14 @@ class SampledDraftProposer:
         return out
 
 
-def run(core: EngineCore, prompt: list[int], seeds: range) -> list[list[int]]:
-    """The MAX_TOKENS tokens of one request per seed, in seed order. One request runs first, alone, so that the
+def run(core: EngineCore, prompt: list[int], seeds: range, max_tokens: int) -> list[list[int]]:
+    """The `max_tokens` tokens of one request per seed, in seed order. One request runs first, alone, so that the
     others find the prompt's first block and its state checkpoint in the prefix cache: their one-token remainder is
     a decode row (a chunked KDA prefill costs as much for 17 tokens as for 64)."""
     outputs: dict[str, list[int]] = {}
     for batch in (seeds[:1], seeds[1:]):
         for seed in batch:
-            params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=seed, max_tokens=MAX_TOKENS,
+            params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=seed, max_tokens=max_tokens,
                                     ignore_eos=True)
             core.add_request(f"s{seed}", prompt, params)
             outputs[f"s{seed}"] = []
@@ -93,7 +94,7 @@ def run(core: EngineCore, prompt: list[int], seeds: range) -> list[list[int]]:
             for out in core.step():
                 assert out.error is None
                 outputs[out.request_id].extend(out.new_token_ids)
-    assert all(len(t) == MAX_TOKENS for t in outputs.values())
+    assert all(len(t) == max_tokens for t in outputs.values())
     return [outputs[f"s{seed}"] for seed in seeds]
 
 
@@ -103,7 +104,7 @@ def make_draft(plain: list[list[int]], vocab: int, conditional: bool) -> Callabl
     OUTSIDE_MASS evenly over NUM_OUTSIDE tokens the plain run never produced (outside every top-k: always rejected).
     Context-free q spreads over every context's tokens (few acceptances); conditional q has p's support (runs of
     accepted drafts and bonus tokens) but the opposite shape."""
-    produced = {t for tokens in plain for t in tokens}
+    produced, max_tokens = {t for tokens in plain for t in tokens}, len(plain[0])
     outside = [t for t in range(vocab) if t not in produced][:NUM_OUTSIDE]
 
     def from_tokens(tokens: list[int]) -> torch.Tensor:
@@ -113,17 +114,17 @@ def make_draft(plain: list[list[int]], vocab: int, conditional: bool) -> Callabl
         q[outside] = OUTSIDE_MASS / len(outside)
         return q.float()
 
-    marginal = [from_tokens([t[j] for t in plain]) for j in range(MAX_TOKENS)]
+    marginal = [from_tokens([t[j] for t in plain]) for j in range(max_tokens)]
     after: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
     for t in plain:
-        for j in range(MAX_TOKENS):
+        for j in range(max_tokens):
             after[tuple(t[:j])].append(t[j])
     following = {context: from_tokens(tokens) for context, tokens in after.items()}
 
     def draft(context: tuple[int, ...]) -> torch.Tensor:
         if conditional and context in following:
             return following[context]
-        return marginal[min(len(context), MAX_TOKENS - 1)]
+        return marginal[min(len(context), max_tokens - 1)]
 
     return draft
 
@@ -170,11 +171,11 @@ def prompt() -> list[int]:
     return prompt_ids(1024, PROMPT_LEN, seed=5)
 
 
-def plain_run(path: str, num_seeds: int) -> list[list[int]]:
+def plain_run(path: str, num_seeds: int, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """Seeds 0..num_seeds-1 without speculation."""
     core = EngineCore(engine_config(path))
     try:
-        return run(core, prompt(), range(num_seeds))
+        return run(core, prompt(), range(num_seeds), max_tokens)
     finally:
         core.shutdown()
 
@@ -185,7 +186,7 @@ def check_same_distribution(path: str, plain: list[list[int]], k: int, condition
     core = EngineCore(engine_config(path), proposer=SampledDraftProposer(make_draft(plain, vocab, conditional), k,
                                                                          seed=11))
     try:
-        spec = run(core, prompt(), range(100_000, 100_000 + len(plain)))
+        spec = run(core, prompt(), range(100_000, 100_000 + len(plain)), len(plain[0]))
     finally:
         core.shutdown()
 
@@ -195,6 +196,7 @@ def check_same_distribution(path: str, plain: list[list[int]], k: int, condition
     assert stats.num_accepted_tokens > 0, "no proposal was ever accepted"
     assert first_rejected > 0, "no proposal was ever rejected: the residual path never ran"
     assert stats.accepted_per_pos[1:2] and stats.accepted_per_pos[1] > 0, "no run of two accepted drafts"
+    assert len(stats.accepted_per_pos) == k, f"no step verified {k} drafts"
     results = {name: chi_square_two_sample([f(t) for t in plain], [f(t) for t in spec])
                for name, f in PROJECTIONS.items()}
     report = "; ".join(f"{name}: chi2={s:.1f} df={df} p={p:.3g}" for name, (s, df, p) in results.items())
@@ -232,4 +234,5 @@ def test_speculation_keeps_the_distribution_of_the_first_tokens(path, plain, one
 @pytest.mark.slow
 @pytest.mark.parametrize("conditional", [False, True], ids=["context_free_q", "conditional_q"])
 def test_speculation_keeps_the_distribution_of_the_first_tokens_large(path, one_thread, conditional):
-    check_same_distribution(path, plain_run(path, 8 * NUM_SEEDS), k=3, conditional=conditional)
+    """8x the seeds, k = 3 and one more token, so that tokens 2, 3 and 4 can all be verified drafts."""
+    check_same_distribution(path, plain_run(path, 8 * NUM_SEEDS, MAX_TOKENS + 1), k=3, conditional=conditional)
