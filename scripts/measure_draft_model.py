@@ -1,6 +1,6 @@
 """Speculative decoding with the embedded draft model (`deltaserve/default_model/draft/`), on the embedded model's
-own domain: held-out tool-use chats (scripts/make_tool_data.py, the training flags of the default model), rendered
-with its chat format up to the first assistant turn.
+own domain: held-out tool-use chats (scripts/make_tool_data.py's held-out split, as scripts/eval_default_model.py),
+rendered with its chat format up to each assistant turn (the tool call; the answer after the tool result).
 
 1. Acceptance (greedy, k drafts): mean accepted drafts per verified step and the acceptance rate, from the engine's
    counters (`EngineStats.spec_*`), over a batch of prompts.
@@ -32,17 +32,17 @@ from deltaserve.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def domain_prompts(n: int, seed: int) -> list[list[int]]:
-    """Token ids of held-out chats up to their first assistant turn (the generation prompt)."""
+    """Token ids of `n` generation prompts from held-out tool tasks (as scripts/eval_default_model.py): the history
+    up to each assistant turn (the tool call, then the answer after the tool result)."""
     model_dir = default_model_dir()
     fmt = get_chat_format(model_dir, Tokenizer.from_pretrained(model_dir))
     out = []
-    for conv in make_conversations("heldout", n, seed, synthetic=0.9, plain_share=0.65, short_copy=True,
-                                   copy_share=0.7, list_share=0.5, neutral_share=0.3):
+    for conv in make_conversations("heldout", n, seed, plain_share=0.0):
         msgs = messages_of(conv)
-        first = next(t for t, m in enumerate(msgs) if m.role == "assistant")
-        out.append(list(fmt.render(msgs[:first], tools=TOOLS if conv.offer_tools else (), thinking=conv.thinking,
-                                   add_generation_prompt=True)))
-    return out
+        for t in (t for t, m in enumerate(msgs) if m.role == "assistant"):
+            out.append(list(fmt.render(msgs[:t], tools=TOOLS if conv.offer_tools else (), thinking=conv.thinking,
+                                       add_generation_prompt=True)))
+    return out[:n]
 
 
 class Timed:

@@ -10,11 +10,16 @@ Per request the proposer keeps P, the number of tokens folded into the request's
 
 1. one batched catch-up forward of tokens [P, N) of every request on its committed slot (N = the request's
    `num_tokens`: every token the target accepted or sampled so far), whose last logits give draft token 1; P = N;
-2. a copy of each committed state into a work slot, then k - 1 batched decode forwards on the work slots, which give
-   draft tokens 2..k. Their KV rows lie at positions >= N in the request's blocks: the next catch-up overwrites them.
+2. k - 1 batched decode forwards, draft j + 1 from draft j, each on a work slot of its own: work slot j of a request
+   starts as a copy of the state before draft j (the committed one, or work slot j - 1) and ends as the state after
+   it. Their KV rows lie at positions >= N in the request's blocks.
 
-So the committed state is always "the state after the accepted tokens" and no rejected token is ever rolled back.
-A target request that is preempted and recomputed has the same tokens, so the draft's state stays valid.
+So the committed state is only ever "the state after accepted tokens" and no rejected token is rolled back: the
+next catch-up overwrites the KV rows of rejected drafts. Accepted drafts are not computed twice: when the request's
+new tokens start with a drafts (a <= k - 1), the state after them is already in work slot a (and their KV rows in the
+blocks), so it is copied into the committed slot and the catch-up is only the rest, usually the one token the
+target sampled: a decode instead of a (k + 1)-token chunk. A target request that is preempted and recomputed has the
+same tokens, so the draft's state stays valid.
 
 Sampling: greedy requests, or every request with `draft_sample_method="greedy"`, get the draft's argmax (no probs).
 Otherwise draft token j is drawn from q = softmax(filter(logits / temperature)) with the request's temperature and
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,6 +68,8 @@ class _DraftState:
     """fp32 [vocab] draft logits after the P folded tokens (for a call that finds no new token)."""
     generator: torch.Generator | None = None
     """The sampled drafts' generator (seeded requests only; unseeded ones share the proposer's)."""
+    folded_drafts: list[int] = field(default_factory=list)
+    """The last call's drafts 1..m (m <= k - 1) whose states are in work slots 1..m, drafted after P tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +113,10 @@ class DraftModelProposer:
         self.max_len = self.blocks_per_seq * block_size
         self.cache = CacheManager(num_blocks=self.max_num_seqs * self.blocks_per_seq, num_slots=self.max_num_seqs,
                                   block_size=block_size)
-        # Slots [0, max_num_seqs) are the committed ones (the cache manager's), the rest the work slots of a call.
+        # Slots [0, max_num_seqs) are the committed ones (the cache manager's); committed slot c owns the k - 1 work
+        # slots after them from max_num_seqs + c * (k - 1) (see `_work_slot`).
         self.runner = ModelRunner(self.model, num_blocks=self.max_num_seqs * self.blocks_per_seq,
-                                  block_size=block_size, num_slots=2 * self.max_num_seqs,
+                                  block_size=block_size, num_slots=self.max_num_seqs * num_speculative_tokens,
                                   max_num_tokens=engine.scheduler.max_num_batched_tokens)
         self.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens
         self.generator = torch.Generator(device=self.runner.device).manual_seed(_draft_seed(engine.seed))
@@ -141,21 +149,25 @@ class DraftModelProposer:
         rows = self._admit(requests)
         if not rows:
             return {}
+        self._reuse_accepted(rows)
         first = self._catch_up(rows)  # [B, V] logits of draft token 1
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         self._pick(rows, list(range(len(rows))), first, drafts, probs)
-        # Work slots: a copy of each committed state, advanced by the draft tokens (committed ones stay untouched).
-        longer = [i for i, r in enumerate(rows) if r.num_drafts > 1][: self.max_num_seqs]
-        work = {i: self.max_num_seqs + w for w, i in enumerate(longer)}
-        self.runner.apply_copies([], [(self.cache.slot(rows[i].state.request.request_id), work[i]) for i in longer])
-        for j in range(1, max((rows[i].num_drafts for i in longer), default=1)):
-            active = [i for i in longer if rows[i].num_drafts > j]
+        for j in range(1, max(r.num_drafts for r in rows)):
+            # Draft j + 1 from draft j, on work slot j: a copy of the state before draft j (the committed slot or
+            # work slot j - 1), kept after the call so that accepted drafts need no recomputing.
+            active = [i for i, r in enumerate(rows) if r.num_drafts > j]
+            slots = {i: self.cache.slot(rows[i].state.request.request_id) for i in active}
+            self.runner.apply_copies([], [(slots[i] if j == 1 else self._work_slot(slots[i], j - 1),
+                                           self._work_slot(slots[i], j)) for i in active])
             chunks = [ScheduledChunk(
                 request_id=rows[i].state.request.request_id, new_token_ids=[drafts[i][-1]],
-                num_computed_tokens=rows[i].num_tokens + j - 1, state_slot=work[i],
+                num_computed_tokens=rows[i].num_tokens + j - 1, state_slot=self._work_slot(slots[i], j),
                 block_ids=self.cache.block_ids(rows[i].state.request.request_id)) for i in active]
             self._pick(rows, active, self.runner.execute_model(chunks), drafts, probs)
+        for i, r in enumerate(rows):
+            r.state.folded_drafts = drafts[i][: r.num_drafts - 1]
         return {r.state.request.request_id: Proposal(drafts[i], torch.stack(probs[i]) if r.sampled else None)
                 for i, r in enumerate(rows)}
 
@@ -208,6 +220,28 @@ class DraftModelProposer:
             if self.cache.allocate(request.request_id, num_tokens):
                 return True
         return False
+
+    def _work_slot(self, committed: int, j: int) -> int:
+        """Work slot j (1..k-1) of the request on committed slot `committed`: the state after its draft j."""
+        return self.max_num_seqs + committed * (self.k - 1) + j - 1
+
+    def _reuse_accepted(self, rows: Sequence[_Row]) -> None:
+        """Where a request's new tokens start with a of its last drafts (a <= k - 1, and at least one new token left
+        to compute, for the logits of draft 1), take the state after them from work slot a: P += a."""
+        copies = []
+        for row in rows:
+            state = row.state
+            drafts, state.folded_drafts = state.folded_drafts, []
+            new = state.request.token_slice(state.num_folded, row.num_tokens)
+            a = 0
+            while a < min(len(drafts), len(new) - 1) and new[a] == drafts[a]:
+                a += 1
+            if a:
+                slot = self.cache.slot(state.request.request_id)
+                copies.append((self._work_slot(slot, a), slot))
+                state.num_folded += a
+                state.last_logits = None
+        self.runner.apply_copies([], copies)
 
     def _catch_up(self, rows: Sequence[_Row]) -> torch.Tensor:
         """Fold tokens [P, N) of every row into its committed slot, under the token budget per forward; returns the

@@ -149,18 +149,18 @@ def test_aborts_and_forget_free_every_block_and_slot(target, draft):
 
 
 def test_committed_state_equals_a_fresh_prefill(draft, target):
-    """Catch-ups in pieces (budget 7), drafts written past N in between, accepted tokens folded in later: the
-    logits after the committed state equal those of one fresh prefill of all the tokens."""
+    """Catch-ups in pieces (budget 7), drafts written past N in between, steps that accept none, some or all of the
+    drafts (their states are then taken from the work slots, not recomputed): the logits after the committed state
+    always equal those of one fresh prefill of all the tokens."""
     cfg = config(target, max_num_batched_tokens=7)
     proposer = DraftModelProposer(model=draft, num_speculative_tokens=K, draft_sample_method="greedy", engine=cfg)
     request = Request(request_id="a", prompt_token_ids=prompt_ids(VOCAB, 30, seed=9), params=GREEDY,
                       stop_token_ids=frozenset(), arrival_index=0, max_total_tokens=4096)
-    accepted = prompt_ids(VOCAB, 8, seed=10)
-    for n in (1, 4, 1, 2):  # the tokens a step adds: its accepted drafts and the sampled one
+    sampled = prompt_ids(VOCAB, 8, seed=10)
+    for accepted in (0, 2, 1, 3, 0, 3):  # the drafts a step accepts; the target's own sampled token follows them
         proposal = proposer.propose([request])["a"]
         assert len(proposal.token_ids) == K and proposal.probs is None
-        request.output_token_ids.extend(accepted[:n])
-        accepted = accepted[n:]
+        request.output_token_ids.extend([*proposal.token_ids[:accepted], sampled.pop()])
         state = proposer._states["a"]
         ids = request.prompt_token_ids + request.output_token_ids
         proposer.propose([request])
