@@ -23,34 +23,57 @@ def mla_write_cache(latent: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> N
     flat.index_copy_(0, slot_mapping.to(device=flat.device, dtype=torch.long), latent.to(kv_cache.dtype))
 
 
-def _gather_context(kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor, num_positions: int) -> Tensor:
-    """``[N, P, R+Dr]`` cache rows of positions ``0..P-1`` of each sequence, zero past ``context_lens``.
+# Bounds on the temporaries of one attention step, whatever the context length: context rows gathered (and expanded
+# per head) at a time, and elements of one scores tile [N, Hm, queries, rows]. A 1M-token context then costs memory
+# for its latent cache only, and a 64K-token chunk is attended tile by tile with an online softmax (flash-style).
+_CONTEXT_ROWS = 1024
+_TILE_ELEMS = 1 << 22
+
+
+def _gather_context(kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor, start: int, stop: int) -> Tensor:
+    """``[N, stop - start, R+Dr]`` cache rows of positions ``start..stop-1`` of each sequence, zero past
+    ``context_lens``; ``start`` is a multiple of the block size.
 
     Gathers whole blocks (one index op over block ids, contiguous copies) rather than single rows. Zeroing matters:
     unwritten cache rows may hold NaN/inf, and ``0 * NaN`` would leak through masked probabilities.
     """
     num_seqs, block_size, width = block_tables.shape[0], kv_cache.shape[1], kv_cache.shape[-1]
-    num_blocks = -(-num_positions // block_size)
-    table = block_tables.to(device=kv_cache.device, dtype=torch.long)[:, :num_blocks].reshape(-1)
+    first, last = start // block_size, -(-stop // block_size)
+    num_blocks = last - first
+    table = block_tables.to(device=kv_cache.device, dtype=torch.long)[:, first:last].reshape(-1)
     # index_select + index_fill_: several times faster on CPU than advanced indexing and a broadcast masked_fill.
     # On the 2-D view [num_blocks, block_size * width]: 0.54 vs 1.23 ms for 608 blocks on an idle CPU (one run).
     rows = kv_cache.view(kv_cache.shape[0], -1).index_select(0, table).view(num_seqs, num_blocks * block_size, width)
-    pos = torch.arange(num_blocks * block_size, device=kv_cache.device)
+    pos = torch.arange(first * block_size, last * block_size, device=kv_cache.device)
     invalid = pos[None, :] >= context_lens[:, None]  # [N, P]
     if rows.is_cuda:  # nonzero() reads its count back to the host: a stream sync per layer
         rows.masked_fill_(invalid[..., None], 0)
     else:
         rows.view(-1, width).index_fill_(0, invalid.reshape(-1).nonzero().squeeze(1), 0)
-    return rows[:, :num_positions]
+    return rows[:, : stop - start]
 
 
-def _masked_softmax(scores: Tensor, allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """Softmax over the last dim in fp32 (fp64 stays fp64) with disallowed entries at -inf, cast to ``dtype``."""
-    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
-    # An additive -inf bias broadcasts much faster on CPU than a broadcast masked_fill.
-    bias = torch.zeros(allowed.shape, dtype=softmax_dtype, device=scores.device).masked_fill_(~allowed, float("-inf"))
-    probs = (scores.to(softmax_dtype) + bias).softmax(dim=-1)
-    return probs.to(dtype)
+def _context_steps(block_size: int, num_positions: int, rows: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges of about ``rows`` context positions (whole blocks) covering ``0..num_positions-1``."""
+    step = max(1, rows // block_size) * block_size
+    return [(a, min(a + step, num_positions)) for a in range(0, num_positions, step)]
+
+
+def _fold_block(m: Tensor, l: Tensor, acc: Tensor, scores: Tensor, values: Tensor) -> None:
+    """Fold one block of keys into a running softmax (online softmax), all in place.
+
+    ``m``, ``l``: ``[..., Q]`` running max and denominator; ``acc``: ``[..., Q, Dv]`` unnormalised output, all in the
+    softmax dtype; ``scores``: ``[..., Q, K]`` in the softmax dtype, -inf where masked, **overwritten** (in place:
+    no large temporaries); ``values``: ``[..., K, Dv]`` (the probabilities are cast to their dtype for the product, as
+    the one-shot form casts them). A row must meet an allowed key in its first block (position 0 is allowed for every
+    query), so ``m`` is finite from then on.
+    """
+    m_new = torch.maximum(m, scores.amax(dim=-1))
+    alpha = (m - m_new).exp_()
+    p = scores.sub_(m_new.unsqueeze(-1)).exp_()
+    l.mul_(alpha).add_(p.sum(dim=-1))
+    acc.mul_(alpha.unsqueeze(-1)).add_((p.to(values.dtype) @ values).to(acc.dtype))
+    m.copy_(m_new)
 
 
 def mla_prefill(
@@ -94,24 +117,43 @@ def mla_prefill(
     if num_tokens == 0:
         return q.new_zeros(0, num_heads, v_head_dim)
     max_q, max_ctx = int(q_lens.max()), int(ctx.max())  # host syncs: acceptable in the reference
+    q_start = (ctx - q_lens).tolist()  # context position of each sequence's first query
+    sdt = torch.promote_types(q.dtype, torch.float32)
 
-    # Queries padded to [N, Qmax]; padded rows are computed and then dropped.
+    # Queries padded to [N, Hm, Qmax, Dq]; padded rows are computed and then dropped.
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens)
     row_in_seq = torch.arange(num_tokens, device=device) - cu[seq_of_token]  # [T]
     q_pad = q.new_zeros(num_seqs, max_q, *q.shape[1:])
     q_pad[seq_of_token, row_in_seq] = q
+    q_pad = q_pad.transpose(1, 2)
+    q_pos = torch.tensor(q_start, device=device)[:, None] + torch.arange(max_q, device=device)  # [N, Qmax]
 
-    latents = _gather_context(kv_cache, block_tables, ctx, max_ctx).to(w_uv.dtype)  # [N, P, R+Dr]
-    c, kr = latents[..., :rank], latents[..., rank:]
-    k_nope = torch.einsum("npr,hdr->nphd", c, w_uk)  # [N, P, Hm, Dn]
-    v = torch.einsum("npr,hvr->nphv", c, w_uv)  # [N, P, Hm, Dv]
-    k = torch.cat([k_nope, kr[:, :, None, :].expand(-1, -1, num_heads, -1)], dim=-1).to(q.dtype)  # [N, P, Hm, Dq]
-
-    scores = torch.einsum("nqhd,nphd->nhqp", q_pad, k) * scale  # [N, Hm, Qmax, P]
-    q_pos = (ctx - q_lens)[:, None] + torch.arange(max_q, device=device)  # [N, Qmax] context position of query
-    allowed = torch.arange(max_ctx, device=device)[None, None, :] <= q_pos[:, :, None]  # [N, Qmax, P]
-    probs = _masked_softmax(scores, allowed[:, None], q.dtype)
-    o_pad = torch.einsum("nhqp,nphv->nqhv", probs, v.to(q.dtype))  # [N, Qmax, Hm, Dv]
+    # Flash-style: context blocks outside (gathered and expanded once), query tiles inside, an online softmax per
+    # query row. Memory is O(N x Hm x (Qmax + tile)) whatever the context length.
+    rows = _context_steps(kv_cache.shape[1], max_ctx, _CONTEXT_ROWS)
+    tile = max(1, _TILE_ELEMS // (num_seqs * num_heads * (rows[0][1] - rows[0][0])))
+    m = torch.full((num_seqs, num_heads, max_q), float("-inf"), dtype=sdt, device=device)
+    l = torch.zeros(num_seqs, num_heads, max_q, dtype=sdt, device=device)
+    acc = torch.zeros(num_seqs, num_heads, max_q, v_head_dim, dtype=sdt, device=device)
+    for a, b in rows:
+        latents = _gather_context(kv_cache, block_tables, ctx, a, b).to(w_uv.dtype)  # [N, B, R+Dr]
+        c, kr = latents[..., :rank], latents[..., rank:]
+        k_nope = torch.einsum("npr,hdr->nhpd", c, w_uk)  # [N, Hm, B, Dn]
+        v = torch.einsum("npr,hvr->nhpv", c, w_uv).to(q.dtype)  # [N, Hm, B, Dv]
+        k = torch.cat([k_nope, kr[:, None].expand(-1, num_heads, -1, -1)], dim=-1).to(q.dtype)  # [N, Hm, B, Dq]
+        pos = torch.arange(a, b, device=device)
+        for t0 in range(0, max_q, tile):
+            t1 = min(t0 + tile, max_q)
+            if a > max(q_start) + t1 - 1:  # the block lies after every query of the tile
+                continue
+            scores = (q_pad[:, :, t0:t1] @ k.transpose(-1, -2)).mul_(scale).to(sdt)  # [N, Hm, tile, B]
+            if b - 1 > min(q_start) + t0:  # some key of the block lies after some query: causal mask
+                allowed = pos[None, None, :] <= q_pos[:, t0:t1, None]  # [N, tile, B]
+                # An additive -inf bias broadcasts much faster on CPU than a broadcast masked_fill.
+                bias = torch.zeros(allowed.shape, dtype=sdt, device=device).masked_fill_(~allowed, float("-inf"))
+                scores += bias[:, None]
+            _fold_block(m[:, :, t0:t1], l[:, :, t0:t1], acc[:, :, t0:t1], scores, v)
+    o_pad = (acc / l.unsqueeze(-1)).to(q.dtype).transpose(1, 2)  # [N, Qmax, Hm, Dv]
     return o_pad[seq_of_token, row_in_seq]
 
 
@@ -142,12 +184,24 @@ def mla_decode(
     Returns:
         ``[N, Hm, R]`` latent output in ``q.dtype`` (scores and values in ``q.dtype``, softmax in fp32 or fp64).
     """
-    if q.shape[0] == 0:
-        return q.new_zeros(0, q.shape[1], kv_lora_rank)
+    num_seqs, num_heads, _ = q.shape
+    if num_seqs == 0:
+        return q.new_zeros(0, num_heads, kv_lora_rank)
     ctx = context_lens.to(device=q.device, dtype=torch.long)
     max_ctx = int(ctx.max())  # host sync: acceptable in the reference
-    latents = _gather_context(kv_cache, block_tables, ctx, max_ctx).to(q.dtype)  # [N, P, R+Dr]
-    scores = torch.einsum("nhk,npk->nhp", q, latents) * scale  # [N, Hm, P]
-    allowed = torch.arange(max_ctx, device=q.device)[None, :] < ctx[:, None]  # [N, P]
-    probs = _masked_softmax(scores, allowed[:, None], q.dtype)
-    return torch.einsum("nhp,npr->nhr", probs, latents[..., :kv_lora_rank])  # [N, Hm, R]
+    sdt = torch.promote_types(q.dtype, torch.float32)
+    # Context blocks with an online softmax: memory O(N x Hm x rows), not O(context).
+    rows = max(_CONTEXT_ROWS, _TILE_ELEMS // (num_seqs * max(num_heads, kv_cache.shape[-1])))
+    m = torch.full((num_seqs, num_heads), float("-inf"), dtype=sdt, device=q.device)
+    l = torch.zeros(num_seqs, num_heads, dtype=sdt, device=q.device)
+    acc = torch.zeros(num_seqs, num_heads, kv_lora_rank, dtype=sdt, device=q.device)
+    for a, b in _context_steps(kv_cache.shape[1], max_ctx, rows):
+        latents = _gather_context(kv_cache, block_tables, ctx, a, b).to(q.dtype)  # [N, B, R+Dr]
+        scores = torch.einsum("nhk,npk->nhp", q, latents).mul_(scale).to(sdt)  # [N, Hm, B]
+        allowed = torch.arange(a, b, device=q.device)[None, :] < ctx[:, None]  # [N, B]
+        # An additive -inf bias broadcasts much faster on CPU than a broadcast masked_fill.
+        bias = torch.zeros(allowed.shape, dtype=sdt, device=q.device).masked_fill_(~allowed, float("-inf"))
+        scores += bias[:, None]
+        _fold_block(m.unsqueeze(-1), l.unsqueeze(-1), acc.unsqueeze(-2), scores.unsqueeze(-2),
+                    latents[:, None, :, :kv_lora_rank])
+    return (acc / l.unsqueeze(-1)).to(q.dtype)  # [N, Hm, R]
