@@ -12,6 +12,11 @@ DEFAULT_MODEL_NAME = "deltaserve-tiny-tools"
 """The name the server reports for the embedded model when no `--served-model-name` is given."""
 
 
+DRAFT_PATH = Path(__file__).resolve().parent / "draft"
+"""The embedded model's draft model (same tokenizer; `scripts/train_draft_model.sh`): the default checkpoint of
+speculative decoding's `draft_model` method."""
+
+
 def default_model_dir() -> Path:
     """Directory of the embedded checkpoint (config.json, model.safetensors, tokenizer files)."""
     return Path(__file__).resolve().parent

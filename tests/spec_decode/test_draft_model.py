@@ -207,3 +207,23 @@ def test_sampled_drafts_come_with_their_distribution_and_are_reproducible(target
 def test_a_draft_of_another_vocabulary_is_refused(target, tiny_dir):
     with pytest.raises(ValueError, match="speculative_config.model"):
         DraftModelProposer(model=str(tiny_dir("odd-sizes")), num_speculative_tokens=K, engine=config(target))
+
+
+def test_embedded_draft_ships_with_the_default_model_and_keeps_its_outputs():
+    """`deltaserve/default_model/draft/` loads standalone with the default model's tokenizer (same file, same ids)
+    and, as the default `draft_model` checkpoint, leaves greedy outputs of the embedded model unchanged."""
+    from deltaserve import LLM
+    from deltaserve.default_model import DRAFT_PATH, default_model_dir
+
+    names = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+             "MODEL_CARD.md"}
+    assert names <= {p.name for p in DRAFT_PATH.iterdir()}
+    assert (DRAFT_PATH / "tokenizer.json").read_bytes() == (default_model_dir() / "tokenizer.json").read_bytes()
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    ids = [prompt_ids(4096, 12, seed=s) for s in range(3)]
+    plain = LLM(num_blocks=64, num_state_slots=4, max_num_seqs=4)
+    spec = LLM(num_blocks=64, num_state_slots=4, max_num_seqs=4,
+               speculative_config={"method": "draft_model", "num_speculative_tokens": K})
+    assert [o.outputs[0].token_ids for o in spec.generate(ids, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(ids, params)]
+    assert spec.engine.get_stats().spec_num_drafts > 0
