@@ -53,7 +53,9 @@ SERVER_ARGS = ("--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
                "--max-n", "4", "--max-model-len", "512", "--checkpoint-memory", "16MiB")
 """`--checkpoint-memory` small so that the engine's resident set is mostly what serving allocates (by default a
 quarter of the cache budget is prefix-cache checkpoints, hundreds of MiB touched at start-up)."""
-SPEC_ARGS = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+SPEC_ARGS = ("--speculative-config",
+             '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}')
+"""Short n-grams: the random prompts and a random model's output rarely repeat vLLM's default 5-gram."""
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback")
 
 SCHEMA = {
@@ -248,12 +250,15 @@ def status(server: LiveServer) -> dict:
 
 
 def wait_idle(server: LiveServer) -> dict:
-    """Poll /status.json until no request runs or waits and no block or slot is held; that status."""
+    """Poll /status.json until an engine stats snapshot taken after this call shows no request running or waiting
+    and no block or slot held; that status."""
+    since = time.time()
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
         s = status(server)
         now = s["now"]
-        if (now["running"], now["waiting"], now["kv_blocks_used"], now["state_slots_used"]) == (0, 0, 0, 0):
+        fresh = s["engine_stats_age_s"] is not None and s["time"] - s["engine_stats_age_s"] >= since
+        if fresh and (now["running"], now["waiting"], now["kv_blocks_used"], now["state_slots_used"]) == (0, 0, 0, 0):
             return s
         assert time.monotonic() < deadline, f"not idle after {SETTLE_TIMEOUT_S} s: {now}"
         time.sleep(0.2)
@@ -331,8 +336,10 @@ class SoakResult:
                 f"RSS idle -> after: {rss}; spec {a.get('spec_decode')}")
 
 
-def soak(server: LiveServer, *, workers: int, more: Callable[[int], bool]) -> SoakResult:
-    """Warm up, measure idle, run the traffic, wait for idle, measure again; assert the soak's properties."""
+def soak(server: LiveServer, *, workers: int, seconds: float | None = None, requests: int | None = None
+         ) -> SoakResult:
+    """Warm up, measure idle, run the traffic (for `seconds`, or `requests` per client), wait for idle, measure
+    again; assert the soak's properties."""
     pids = {"api": server.process.pid, "engine": engine_pid(server.process.pid)}
     warm_up(server, workers)
     before = wait_idle(server)
@@ -340,12 +347,14 @@ def soak(server: LiveServer, *, workers: int, more: Callable[[int], bool]) -> So
     start = time.monotonic()
     # One burst alone first: its 4 sequences join an empty cache together and cannot all finish in it.
     alone = drive(server, workers=1, seed=2, more=lambda i: i < 1, plan=lambda rng, i: burst)
-    assert not alone.failures and status(server)["totals"]["preemptions"] > before["totals"]["preemptions"]
-    tally = drive(server, workers=workers, seed=1, more=more, plan=weighted)
-    seconds = time.monotonic() - start
+    assert not alone.failures and wait_idle(server)["totals"]["preemptions"] > before["totals"]["preemptions"]
+    end = start + (seconds or 0.0)
+    tally = drive(server, workers=workers, seed=1, plan=weighted,
+                  more=(lambda i: i < requests) if requests is not None else lambda _: time.monotonic() < end)
+    elapsed = time.monotonic() - start
     after = wait_idle(server)
     rss_after = settled_rss(pids, rss_idle)
-    result = SoakResult(tally, rss_idle, rss_after, before, after, seconds)
+    result = SoakResult(tally, rss_idle, rss_after, before, after, elapsed)
     print(result.report(server.url))
     assert not tally.failures, tally.failures[:20]
     for name in pids:
@@ -365,10 +374,11 @@ def test_soak(tiny_dir, tmp_path, spec):
         else _soak_seconds("DELTASERVE_SOAK_S", 300)
     server = start_server(tiny_dir("base"), tmp_path, *SERVER_ARGS, *(SPEC_ARGS if spec else ()))
     try:
-        end = time.monotonic() + seconds
-        result = soak(server, workers=6, more=lambda _: time.monotonic() < end)
+        result = soak(server, workers=6, seconds=seconds)
         if spec:
-            assert result.after["totals"]["spec_decode"]["num_draft_tokens"] > 0
+            drafts = [r["totals"].get("spec_decode", {}).get("num_draft_tokens", 0) for r in (result.before,
+                                                                                           result.after)]
+            assert drafts[1] > drafts[0], drafts
     finally:
         stop_server(server)
 
@@ -377,6 +387,6 @@ def test_soak_small(tiny_dir, tmp_path):
     """The soak's properties over a fixed 40 requests from 4 clients (every scenario, burst included)."""
     server = start_server(tiny_dir("base"), tmp_path, *SERVER_ARGS)
     try:
-        soak(server, workers=4, more=lambda i: i < 10)
+        soak(server, workers=4, requests=10)
     finally:
         stop_server(server)
