@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from deltaserve.cache.state_pool import SCRATCH
-from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.request import Request
 from deltaserve.sampling_params import SamplingParams
@@ -45,10 +45,11 @@ class Run:
     """Outputs with more than one token: steps where proposals were accepted."""
 
 
-def requests(vocab: int = 1024) -> dict[str, tuple[list[int], SamplingParams]]:
+def requests(path: str) -> dict[str, tuple[list[int], SamplingParams]]:
     """Mixed prompt lengths (the 40 and 33 token ones are prefilled in chunks); r6 shares the first 32 tokens of r5,
     the last request added (so usually the last to finish), and is added when r5 finishes (`LATE`): its prefix is
     then still cached, a hit, even in a cache so small that requests are preempted."""
+    vocab = ModelConfig.from_pretrained(path).vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     reqs = {f"r{i}": (prompt_ids(vocab, n, seed=300 + i), params) for i, n in enumerate([3, 17, 9, 33, 5, 40])}
     reqs["r6"] = (reqs["r5"][0][:32] + prompt_ids(vocab, 6, seed=399), params)
@@ -121,7 +122,7 @@ class ReplayProposer:
             proposal = list(truth[:n])
             if proposal and self.rng.random() < 0.5:
                 i = self.rng.randrange(len(proposal))
-                proposal[i] = (proposal[i] + 1) % 1024  # wrong on purpose
+                proposal[i] = (proposal[i] + 1) % 700  # wrong on purpose (700: the smallest vocabulary)
             self.proposed += len(proposal)
             out[r.request_id] = Proposal(proposal)
         return out
@@ -157,7 +158,7 @@ def plain_run(path: str, dtype: str) -> Run:
     """The run without speculation (once per checkpoint and dtype)."""
     if (path, dtype) not in _PLAIN:
         core = EngineCore(engine_config(path, dtype))
-        _PLAIN[path, dtype] = run(core, requests())
+        _PLAIN[path, dtype] = run(core, requests(path))
         assert_features_hit(core)
     return _PLAIN[path, dtype]
 
@@ -167,7 +168,7 @@ def check_speculative_run(path: str, dtype: str, proposer: Proposer) -> Run:
     plain = plain_run(path, dtype)
     counting = Counting(proposer)
     core = EngineCore(engine_config(path, dtype), proposer=counting)
-    spec = run(core, requests())
+    spec = run(core, requests(path))
     assert spec.tokens == plain.tokens
     if dtype == "float64":
         diffs = [abs(a - b) for rid in plain.logprobs for a, b in zip(spec.logprobs[rid], plain.logprobs[rid],
@@ -290,7 +291,7 @@ def test_aborts_during_speculation_leak_nothing(base, method):
     counting = Counting(proposer)
     core = EngineCore(engine_config(base), proposer=counting)
     aborted = {"r0": 3, "r1": 5, "r3": 9, "r4": 1}
-    spec = run(core, requests(), abort_after=aborted)
+    spec = run(core, requests(base), abort_after=aborted)
     for rid, tokens in spec.tokens.items():
         if rid in aborted:
             assert tokens == plain.tokens[rid][:len(tokens)]
