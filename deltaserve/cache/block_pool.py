@@ -8,8 +8,37 @@ its own, since it will write past them.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+_epochs = itertools.count()
+
+
+class BlockList(list[int]):
+    """The block ids of one sequence, in position order, with an `epoch` that changes whenever an entry is removed
+    or replaced (appends keep it). A consumer that mirrors the list (the runner's block table rows) can then copy
+    only the ids appended since it last looked, when the epoch is the one it saw: per-step work proportional to the
+    new blocks, not to the context. The epoch survives pickling and `snapshot()` copies."""
+
+    epoch: int
+
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        super().__init__(ids)
+        self.epoch = next(_epochs)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` ids (a new epoch when any is dropped)."""
+        if length < len(self):
+            del self[length:]
+            self.epoch = next(_epochs)
+
+    def snapshot(self) -> BlockList:
+        """A copy with the same epoch (the same ids in the same places)."""
+        out = BlockList(self)
+        out.epoch = self.epoch
+        return out
 
 
 @dataclass(slots=True)

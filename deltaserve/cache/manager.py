@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from deltaserve.cache.block_hash import chain_hashes, parent_hash
-from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.block_pool import BlockList, BlockPool
 from deltaserve.cache.prefix_index import Checkpoint, CheckpointIndex, CheckpointKey
 from deltaserve.cache.state_pool import CHECKPOINT, RUNNING, SCRATCH, StatePool
 from deltaserve.request import Request
@@ -22,7 +22,7 @@ from deltaserve.request import Request
 @dataclass(slots=True)
 class _Holding:
     slot: int
-    blocks: list[int] = field(default_factory=list)
+    blocks: BlockList = field(default_factory=BlockList)
     num_registered: int = 0
     """Leading blocks already in the hash table (cached hits count as registered)."""
     pending: list[tuple[int, int]] = field(default_factory=list)
@@ -104,12 +104,17 @@ class CacheManager:
 
     def hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Chain hashes of the request's first `num_blocks` full blocks (extended lazily)."""
-        hashes = self._hashes.setdefault(request.request_id, [])
+        return self._chain(request, num_blocks)[:num_blocks]
+
+    def _chain(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's own list of chain hashes, extended to at least `num_blocks` (not a copy: callers index it).
+
+        Only the blocks not hashed yet are sliced and hashed, so a step costs what it adds, not the context."""
+        bs, hashes = self.block_size, self._hashes.setdefault(request.request_id, [])
         if len(hashes) < num_blocks:
-            tokens = request.token_slice(0, num_blocks * self.block_size)
-            hashes.extend(chain_hashes(tokens, self.block_size, start=len(hashes), parent=parent_hash(hashes,
-                                                                                                        len(hashes))))
-        return hashes[:num_blocks]
+            tokens = request.token_slice(len(hashes) * bs, num_blocks * bs)
+            hashes.extend(chain_hashes(tokens, bs, parent=parent_hash(hashes, len(hashes))))
+        return hashes
 
     def match(self, request: Request) -> PrefixHit:
         """The longest prefix with cached KV and a checkpoint at its end; at least one token is left to compute.
@@ -166,7 +171,8 @@ class CacheManager:
         for b in reused:
             self.blocks.touch(b)
         slot = self.slots.take(RUNNING)
-        held = self._held[request_id] = _Holding(slot=slot, blocks=list(hit.blocks), num_registered=len(hit.blocks))
+        held = self._held[request_id] = _Holding(slot=slot, blocks=BlockList(hit.blocks),
+                                                 num_registered=len(hit.blocks))
         held.blocks.extend(self.blocks.allocate(need) or [])
         if hit.partial_block is not None:
             self._block_copies.append((hit.partial_block, held.blocks[len(hit.blocks)], hit.length % self.block_size))
@@ -223,7 +229,7 @@ class CacheManager:
         keep = max(self.blocks_for(request.num_computed_tokens), held.num_registered)
         if len(held.blocks) > keep:
             self.blocks.free(held.blocks[keep:][::-1])
-            del held.blocks[keep:]
+            held.blocks.truncate(keep)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -238,7 +244,7 @@ class CacheManager:
         held = self._held[request.request_id]
         out = []
         # Latest first: when slots run short, the deepest checkpoint serves the most future hits.
-        for pos in sorted((p for p in self.planned_positions(request) if start < p <= end), reverse=True):
+        for pos in self._planned_between(request, start, end)[::-1]:
             if self.checkpoints.contains(self.key(request, pos)):
                 continue
             slot = self.checkpoints.reserve_slot()
@@ -253,16 +259,24 @@ class CacheManager:
         and its last full block (so an identical or extended prompt hits)."""
         if not self.enable_prefix_caching:
             return []
+        return self._planned_between(request, 0, request.num_prompt_tokens)
+
+    def _planned_between(self, request: Request, start: int, end: int) -> list[int]:
+        """The planned positions in (start, end], sorted: computed for that range only (a step of a long prefill
+        costs its own length, not the prompt's)."""
+        if not self.enable_prefix_caching:
+            return []
         n, step = request.num_prompt_tokens, self.checkpoint_interval or request.num_prompt_tokens
-        wanted = set(range(step, n, step))
-        wanted.add((n - 1) // self.block_size * self.block_size)
-        return sorted(p for p in wanted if p > 0)
+        wanted = set(range((start // step + 1) * step, min(end, n - 1) + 1, step))
+        last_full = (n - 1) // self.block_size * self.block_size
+        if start < last_full <= end:
+            wanted.add(last_full)
+        return sorted(wanted)
 
     def key(self, request: Request, length: int) -> CheckpointKey:
         """The checkpoint key of the request's first `length` tokens."""
         full = length // self.block_size
-        hashes = self.hashes(request, full)
-        return parent_hash(hashes, full), tuple(request.token_slice(full * self.block_size, length))
+        return parent_hash(self._chain(request, full), full), tuple(request.token_slice(full * self.block_size, length))
 
     def commit(self, request: Request) -> None:
         """After a step: make the newly completed full blocks and checkpoints of the request findable."""
@@ -273,7 +287,7 @@ class CacheManager:
     def _commit(self, request: Request, held: _Holding) -> None:
         full = request.num_computed_tokens // self.block_size
         if full > held.num_registered:
-            hashes = self.hashes(request, full)
+            hashes = self._chain(request, full)
             for b in range(held.num_registered, full):
                 self.blocks.cache_full(held.blocks[b], hashes[b])
             held.num_registered = full
@@ -324,7 +338,8 @@ class CacheManager:
     def slot(self, request_id: str) -> int:
         return self._held[request_id].slot
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: str) -> BlockList:
+        """The request's blocks: its live list (appended as it grows, truncated by a rejected proposal)."""
         return self._held[request_id].blocks
 
     def usage(self) -> CacheUsage:

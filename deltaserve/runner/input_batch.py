@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from deltaserve.cache.block_pool import BlockList
 from deltaserve.layers.forward_batch import ForwardBatch
 from deltaserve.scheduler.output import ScheduledChunk
 
@@ -25,6 +26,7 @@ class InputBatch:
         self.block_size, self.device = block_size, device
         self._tensors: dict[str, torch.Tensor] = {}
         self._arrays: dict[str, np.ndarray] = {}
+        self._rows = _BlockRows()
         for name, size in (("ids", max_num_tokens), ("slot_mapping", max_num_tokens), ("cu", max_num_seqs + 1),
                            ("context_lens", max_num_seqs), ("state_indices", max_num_seqs),
                            ("block_tables", max_num_seqs * 64)):
@@ -54,9 +56,11 @@ class InputBatch:
         state_indices = self._array("state_indices", n)
         state_indices[:] = [c.state_slot for c in ordered]
         tables = self._array("block_tables", n * max_blocks).reshape(n, max_blocks)
-        tables.fill(0)
         for row, c in enumerate(ordered):
-            tables[row, : len(c.block_ids)] = c.block_ids
+            ids = self._rows.get(c.request_id, c.block_ids)
+            tables[row, : len(ids)] = ids
+            tables[row, len(ids) :] = 0
+        self._rows.retain({c.request_id for c in ordered})
         seq_of_row = np.repeat(np.arange(n), lens)
         positions = computed[seq_of_row] + np.arange(total) - cu[:-1][seq_of_row]
         slot_mapping = self._array("slot_mapping", total)
@@ -105,3 +109,36 @@ class InputBatch:
     def _grow(self, name: str, size: int) -> None:
         tensor = torch.zeros(size, dtype=torch.int64)
         self._tensors[name], self._arrays[name] = tensor, tensor.numpy()
+
+
+class _BlockRows:
+    """Each request's block ids mirrored as an int64 array, updated from a `BlockList` by the ids appended since the
+    last step when its epoch is unchanged (a long context's table then costs a memcpy per step, not a conversion of
+    its whole Python list); any other list is converted whole."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[int, np.ndarray, int]] = {}  # request id -> (epoch, buffer, ids mirrored)
+
+    def get(self, request_id: str, ids: list[int]) -> np.ndarray:
+        """The ids as an int64 array (a view of the mirror; valid until the next call for this request)."""
+        if not isinstance(ids, BlockList):
+            return np.asarray(ids, dtype=np.int64)
+        n = len(ids)
+        entry = self._rows.get(request_id)
+        if entry is None or entry[0] != ids.epoch or entry[2] > n:
+            buf, have = np.empty(max(n, 64), dtype=np.int64), 0
+        else:
+            _, buf, have = entry
+            if n > len(buf):
+                grown = np.empty(max(n, 2 * len(buf)), dtype=np.int64)
+                grown[:have] = buf[:have]
+                buf = grown
+        if n > have:
+            buf[have:n] = ids[have:n]
+        self._rows[request_id] = (ids.epoch, buf, n)
+        return buf[:n]
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Forget requests not in this step once the mirror holds many more than it (finished ones)."""
+        if len(self._rows) > 2 * len(request_ids) + 64:
+            self._rows = {rid: row for rid, row in self._rows.items() if rid in request_ids}

@@ -234,7 +234,7 @@ class Scheduler:
             new_token_ids=request.token_slice(start, start + n),
             num_computed_tokens=start,
             state_slot=self.cache.slot(request.request_id),
-            block_ids=list(self.cache.block_ids(request.request_id)),
+            block_ids=self.cache.block_ids(request.request_id).snapshot(),
             reset_state=start == 0,
             sample=start + n == request.num_tokens,
             checkpoints=tuple(self.cache.plan_checkpoints(request, start, start + n)),
@@ -258,7 +258,7 @@ class Scheduler:
             request_id=request.request_id,
             new_token_ids=[*request.token_slice(start, start + 1), *request.spec_token_ids[:k]],
             num_computed_tokens=start, state_slot=self.cache.slot(request.request_id),
-            block_ids=list(self.cache.block_ids(request.request_id)), sample=True,
+            block_ids=self.cache.block_ids(request.request_id).snapshot(), sample=True,
             checkpoints=tuple((i + 1, slot) for i, slot in enumerate(scratch)), num_proposed=k,
         )
 
