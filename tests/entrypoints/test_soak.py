@@ -12,7 +12,8 @@ Afterwards the server must be back where it was after warm-up:
   idle value measured after a warm-up that ran every kind of request at full concurrency;
 - the server log has no error line (`error_lines`): no `ERROR` or `CRITICAL` record and no `Traceback`. Aborts
   and disconnects are normal client behaviour and log nothing at that level, so no exception is allowed.
-Preemptions must have happened (the burst guarantees it).
+Preemptions must have happened: the traffic starts with one burst alone on the idle server, which cannot finish
+without preempting (checked on its own), and bursts recur in the mix.
 
 `test_soak` (slow) runs for `DELTASERVE_SOAK_S` seconds (default 300, at most 1800) on a plain server, then for
 `DELTASERVE_SOAK_SPEC_S` (default a quarter of it) on a server with n-gram speculative decoding; it prints the
@@ -31,9 +32,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import openai
 import pytest
 
@@ -112,7 +114,7 @@ def _prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30)))
 
 
-def _chat(rng: random.Random) -> list[dict[str, str]]:
+def _chat(rng: random.Random) -> Any:
     return [{"role": "user", "content": _prompt(rng)}]
 
 
@@ -183,8 +185,9 @@ def chat_stream(client: openai.OpenAI, rng: random.Random) -> str:
 
 def structured(client: openai.OpenAI, rng: random.Random) -> str:
     """JSON-schema chat, streamed or not: a finished answer satisfies the schema."""
-    kwargs = dict(model="tiny", messages=_chat(rng), max_tokens=80, temperature=0.8, seed=rng.randint(0, 99),
-                  response_format={"type": "json_schema", "json_schema": {"name": "plan", "schema": SCHEMA}})
+    kwargs: dict[str, Any] = dict(
+        model="tiny", messages=_chat(rng), max_tokens=80, temperature=0.8, seed=rng.randint(0, 99),
+        response_format={"type": "json_schema", "json_schema": {"name": "plan", "schema": SCHEMA}})
     if rng.random() < 0.5:
         text, finish = "", None
         for chunk in client.chat.completions.create(stream=True, **kwargs):
