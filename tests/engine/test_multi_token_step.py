@@ -13,8 +13,8 @@ from deltaserve.cache.state_pool import SCRATCH
 from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.request import Request
-from deltaserve.spec_decode import Proposal
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.spec_decode import Proposal
 from tests.helpers import prompt_ids
 
 K = 4
