@@ -73,7 +73,8 @@ def measure(model: str, length: int, chunk: int, threads: int) -> dict[str, Any]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     core.shutdown()
     return {"length": length, "chunk": chunk, "steps": steps, "seconds": seconds,
-            "us_per_token": 1e6 * seconds / length, "peak_rss_mib": peak / 1024, "rss_before_mib": rss_before / 1024, "token": token,
+            "us_per_token": 1e6 * seconds / length, "peak_rss_mib": peak / 1024, "rss_before_mib": rss_before / 1024,
+            "token": token,
             "modules_s": {k: round(v, 2) for k, v in sorted(inside.items())}}
 
 
