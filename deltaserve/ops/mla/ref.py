@@ -2,7 +2,8 @@
 
 Pure PyTorch; the specification and test oracle for any fast backend. The cache row of a token is ``[c ; kr]``. The
 layer owns ``kv_b``: it passes its key and value halves to the prefill, and absorbs them around the decode (which is
-pure latent attention, MQA over the cache rows).
+pure latent attention, MQA over the cache rows). Both attend block by block over the context with an online softmax,
+so a long context costs memory for its cache rows only.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def mla_prefill(
 
     Returns:
         ``[T, Hm, Dv]`` in ``q.dtype``. The query at context position ``p`` attends to positions ``<= p``.
+
+    Computed over blocks of the context and tiles of the queries with an online softmax (the normalisation applied
+    after the sum): the same numbers up to float rounding, in memory bounded by the tile sizes, not the context.
     """
     num_tokens, num_heads, _ = q.shape
     rank, v_head_dim = w_uk.shape[-1], w_uv.shape[1]
@@ -125,7 +129,7 @@ def mla_prefill(
     row_in_seq = torch.arange(num_tokens, device=device) - cu[seq_of_token]  # [T]
     q_pad = q.new_zeros(num_seqs, max_q, *q.shape[1:])
     q_pad[seq_of_token, row_in_seq] = q
-    q_pad = q_pad.transpose(1, 2)
+    q_pad = q_pad.transpose(1, 2).contiguous()
     q_pos = torch.tensor(q_start, device=device)[:, None] + torch.arange(max_q, device=device)  # [N, Qmax]
 
     # Flash-style: context blocks outside (gathered and expanded once), query tiles inside, an online softmax per
