@@ -42,11 +42,16 @@ class SpeculativeConfig:
     draft_sample_method: str | None = None
     """draft_model only: 'probabilistic' (default: drafts sampled at the request's temperature, verified by
     rejection sampling) or 'greedy' (drafts are the draft model's argmax). Greedy requests always draft greedily."""
+    disable_by_batch_size: int | None = None
+    """Propose nothing in steps with at least this many running requests (vLLM's `disable_by_batch_size`): at large
+    batches a step is compute-bound, and verifying proposals costs more than the tokens it saves. None: never."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(_err("method", f"must be one of {', '.join(repr(m) for m in METHODS)}", self.method))
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 2**31 - 1)
         not_for = _DRAFT_ONLY if self.method == "ngram" else _NGRAM_ONLY
         for name in not_for:
             if getattr(self, name) is not None:

@@ -81,8 +81,10 @@ class EngineCore:
         )
         self.grammar_hook = GrammarHook(self.scheduler, self.structured)
         self.hooks: list[StepHook] = [self.grammar_hook]
-        self.proposer_hook = None if proposer is None else ProposerHook(self.scheduler, proposer,
-                                                                        self.grammar_hook.grammars)
+        spec = config.speculative_config
+        self.proposer_hook = None if proposer is None else ProposerHook(
+            self.scheduler, proposer, self.grammar_hook.grammars,
+            disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None)
         if self.proposer_hook is not None:
             self.hooks.append(self.proposer_hook)
         self._arrivals = itertools.count()

@@ -109,8 +109,10 @@ class ProposerHook:
     scheduler verifies them in the step. A constrained request's proposals are cut at the first token its grammar
     rejects. Counts drafts and accepted tokens (`stats`)."""
 
-    def __init__(self, scheduler: Scheduler, proposer: Proposer, grammars: Mapping[str, Grammar]) -> None:
+    def __init__(self, scheduler: Scheduler, proposer: Proposer, grammars: Mapping[str, Grammar], *,
+                 disable_by_batch_size: int | None = None) -> None:
         self.scheduler, self.proposer, self.grammars = scheduler, proposer, grammars
+        self.disable_by_batch_size = disable_by_batch_size
         self.stats = SpecDecodeStats()
         self._probs: dict[str, torch.Tensor] = {}
 
@@ -122,7 +124,10 @@ class ProposerHook:
     def before_schedule(self) -> list[EngineCoreOutput]:
         self._probs = {}
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
-        if not decoding:
+        limit = self.disable_by_batch_size
+        if not decoding or (limit is not None and len(self.scheduler.running) >= limit):
+            for request in decoding:
+                request.spec_token_ids = []
             return []
         proposals = self.proposer.propose(decoding)
         k = self.proposer.num_speculative_tokens

@@ -89,6 +89,18 @@ class ModelRunner:
             mask_row = dict(zip(out.structured_request_ids, itertools.accumulate(
                 (1 + proposed[rid] for rid in out.structured_request_ids), initial=0), strict=False))
         result: dict[str, list[SampledToken]] = {c.request_id: [] for c in chunks}
+        if not out.draft_probs and not mask_row and all(_plain_greedy(s) for s in states):
+            # Nothing changes these rows' logits before the argmax: one argmax for every position, the same tokens
+            # the rounds below would pick, without a sampler call per position.
+            picked = logits.argmax(dim=-1).tolist()
+            for i, (c, state) in enumerate(zip(chunks, states, strict=True)):
+                for j in range(1 + c.num_proposed):
+                    token = picked[first_row[i] + j]
+                    state.output_token_ids.append(token)
+                    result[c.request_id].append(SampledToken(token))
+                    if j == c.num_proposed or token != c.new_token_ids[1 + j]:
+                        break
+            return result
         active = list(range(len(chunks)))
         for j in range(1 + max(c.num_proposed for c in chunks)):
             rows = [SamplingRow(params=states[i].data.params, generator=states[i].generator,
@@ -205,3 +217,12 @@ class ModelRunner:
             if isinstance(cache, KDALayerCache):
                 cache.state[slot].zero_()
                 cache.conv[slot].zero_()
+
+
+def _plain_greedy(state: _RequestState) -> bool:
+    """The sampler would take the argmax of this request's raw logits: greedy, no logprobs, and no mask, bias or
+    penalty that could change them (min_tokens already reached)."""
+    params = state.data.params
+    return (params.greedy and params.logprobs is None and not params.has_penalties
+            and params.allowed_token_ids is None and not params.bad_words_token_ids and not params.logit_bias
+            and len(state.output_token_ids) >= params.min_tokens)

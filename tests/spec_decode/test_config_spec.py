@@ -121,3 +121,38 @@ def test_spec_decode_stats():
     assert stats.acceptance_rate == pytest.approx(0.6)
     with pytest.raises(ValueError):
         stats.observe(2, 3)
+
+
+def test_disable_by_batch_size_is_checked_and_stops_proposals(tiny_dir):
+    """vLLM's disable_by_batch_size: a step with that many running requests proposes nothing (outputs unchanged)."""
+    with pytest.raises(ValueError, match=r"^speculative_config.disable_by_batch_size must be an integer"):
+        SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0})
+    from deltaserve.engine.engine_core import EngineCore
+    from deltaserve.sampling_params import SamplingParams
+    from deltaserve.spec_decode import Proposal
+
+    class Always:  # proposes two tokens for every request, whatever the context
+        num_speculative_tokens, memory_bytes = 2, 0
+        widest = 0
+
+        def propose(self, requests):
+            self.widest = max(self.widest, len(requests))
+            return {r.request_id: Proposal([1, 2]) for r in requests}
+
+        def forget(self, request_id):
+            pass
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    widest = {}
+    for limit in (2, 3):  # two requests run together: limit 2 disables speculation then, 3 does not
+        spec = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2,
+                                            "disable_by_batch_size": limit})
+        proposer = Always()
+        core = EngineCore(EngineConfig(model=str(tiny_dir("base")), speculative_config=spec), proposer=proposer)
+        for rid in ("a", "b"):
+            core.add_request(rid, [5, 6, 7, 8] * 6, params)
+        while core.has_unfinished_requests():
+            core.step()
+        widest[limit] = proposer.widest
+        assert core.get_stats().spec_num_drafts > 0
+    assert widest == {2: 1, 3: 2}  # asked only once a single request ran
