@@ -121,7 +121,8 @@ def mla_prefill(
     if num_tokens == 0:
         return q.new_zeros(0, num_heads, v_head_dim)
     max_q, max_ctx = int(q_lens.max()), int(ctx.max())  # host syncs: acceptable in the reference
-    q_start = (ctx - q_lens).tolist()  # context position of each sequence's first query
+    q_first = ctx - q_lens  # [N] context position of each sequence's first query
+    first_max, first_min = int(q_first.max()), int(q_first.min())
     sdt = torch.promote_types(q.dtype, torch.float32)
 
     # Queries padded to [N, Hm, Qmax, Dq]; padded rows are computed and then dropped.
@@ -130,7 +131,7 @@ def mla_prefill(
     q_pad = q.new_zeros(num_seqs, max_q, *q.shape[1:])
     q_pad[seq_of_token, row_in_seq] = q
     q_pad = q_pad.transpose(1, 2).contiguous()
-    q_pos = torch.tensor(q_start, device=device)[:, None] + torch.arange(max_q, device=device)  # [N, Qmax]
+    q_pos = q_first[:, None] + torch.arange(max_q, device=device)  # [N, Qmax]
 
     # Flash-style: context blocks outside (gathered and expanded once), query tiles inside, an online softmax per
     # query row. Memory is O(N x Hm x (Qmax + tile)) whatever the context length.
@@ -148,10 +149,10 @@ def mla_prefill(
         pos = torch.arange(a, b, device=device)
         for t0 in range(0, max_q, tile):
             t1 = min(t0 + tile, max_q)
-            if a > max(q_start) + t1 - 1:  # the block lies after every query of the tile
+            if a > first_max + t1 - 1:  # the block lies after every query of the tile
                 continue
             scores = (q_pad[:, :, t0:t1] @ k.transpose(-1, -2)).mul_(scale).to(sdt)  # [N, Hm, tile, B]
-            if b - 1 > min(q_start) + t0:  # some key of the block lies after some query: causal mask
+            if b - 1 > first_min + t0:  # some key of the block lies after some query: causal mask
                 allowed = pos[None, None, :] <= q_pos[:, t0:t1, None]  # [N, tile, B]
                 # An additive -inf bias broadcasts much faster on CPU than a broadcast masked_fill.
                 bias = torch.zeros(allowed.shape, dtype=sdt, device=device).masked_fill_(~allowed, float("-inf"))
