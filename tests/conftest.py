@@ -57,10 +57,11 @@ def tiny_dir(tmp_path_factory) -> callable:
 
 
 @pytest.fixture(autouse=True)
-def _restore_torch_threads():
+def _restore_torch_process_settings():
     """An engine built with `num_threads` sets torch's process-wide thread count; restore it after each test, so a
     later test does not run with another thread count (GEMM results differ with it, and a worker process started by
     a later test keeps torch's default: its floats would then differ from the in-process run's)."""
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+    torch.set_flush_denormal(False)  # a CPU worker flushes subnormals; the op tests check exact subnormal values

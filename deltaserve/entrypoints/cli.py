@@ -43,6 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     from deltaserve.entrypoints.server.launch import run
     from deltaserve.utils.cli_args import dataclass_from_args
+    from deltaserve.utils.cpu_threads import default_num_threads
 
     server = dataclass_from_args(ServerConfig, args)
     spec = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config is not None else None
@@ -61,7 +62,10 @@ def _serve(args: argparse.Namespace) -> int:
         server = dataclasses.replace(server, api_key=envs.api_key())
     engine = EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           device=args.device,
-                          structured_output_backend=args.structured_output_backend, num_threads=args.num_threads,
+                          structured_output_backend=args.structured_output_backend,
+                          # The API process keeps a core of its own (utils/cpu_threads.py).
+                          num_threads=args.num_threads if args.num_threads is not None or args.device != "cpu"
+                          else default_num_threads(reserved=1),
                           cache=dataclass_from_args(CacheConfig, args),
                           scheduler=dataclass_from_args(SchedulerConfig, args),
                           parallel=dataclass_from_args(ParallelConfig, args), speculative_config=spec)
@@ -104,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
     srv.add_argument("--device", default="cpu", help="'cpu', 'cuda' or 'cuda:N' (default: cpu)")
     srv.add_argument("--num-threads", type=int, default=None,
-                     help="torch threads of the engine process (default: one per core)")
+                     help="torch threads of the engine process (default on CPU: the cores of its affinity mask "
+                          "less one for the API process; pin with taskset / numactl)")
     srv.add_argument("--structured-output-backend", default="llguidance", choices=["llguidance", "xgrammar"],
                      help="grammar library for response_format and forced tool calls (default: llguidance)")
     srv.add_argument("--trust-remote-code", action="store_true",

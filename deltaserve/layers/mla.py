@@ -30,7 +30,9 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = NormWeight(cfg.q_lora_rank, dtype)
             self.q_b_proj = Linear(cfg.q_lora_rank, q_out, dtype)
         self.kv_a_layernorm = NormWeight(cfg.kv_lora_rank, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
+        # Read directly (absorbed into the decode query and output, split for the prefill): never packed.
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype,
+                                packable=False)
         if cfg.use_output_gate:
             self.g_proj = Linear(hidden_size, cfg.num_heads * cfg.v_head_dim, dtype)
         self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, hidden_size, dtype)

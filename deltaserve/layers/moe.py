@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ActivationConfig, MoEConfig
+from deltaserve.layers.linear import pack_parameter
 from deltaserve.ops.activation import silu_and_mul, situ_and_mul
+from deltaserve.ops.linear import can_pack, linear, pack
 from deltaserve.ops.moe import moe_experts, moe_route
 
 
@@ -33,8 +35,11 @@ class GatedMLP(nn.Module):
             "down_proj.weight": self.down,
         }
 
+    def prepack(self) -> int:
+        return pack_parameter(self, "gate_up") + pack_parameter(self, "down")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act(F.linear(x, self.gate_up)), self.down)
+        return linear(self.act(linear(x, self.gate_up)), self.down)
 
 
 def gated_activation(cfg: ActivationConfig, interleaved: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -69,8 +74,13 @@ class MoE(nn.Module):
         # Router weight and selection bias stay fp32 (transformers keeps them in fp32 too).
         self.gate_weight = nn.Parameter(torch.empty(e, hidden_size, dtype=torch.float32), requires_grad=False)
         self.correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        self.w13: nn.Parameter | nn.ParameterList = nn.Parameter(
+            torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2: nn.Parameter | nn.ParameterList = nn.Parameter(
+            torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        self.expert_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+        """What `moe_experts` multiplies each expert's rows with: `F.linear` on the stacks as loaded (the grouped-GEMM
+        path takes those), the packed `ops.linear` once `prepack` has split them into per-expert packed weights."""
         self.shared_experts = (
             GatedMLP(hidden_size, i * cfg.num_shared_experts, dtype) if cfg.num_shared_experts else None
         )
@@ -80,18 +90,32 @@ class MoE(nn.Module):
         named: dict[str, torch.Tensor] = {
             "gate.weight": self.gate_weight, "gate.e_score_correction_bias": self.correction_bias,
         }
+        w13, w2 = self.w13, self.w2
+        assert isinstance(w13, nn.Parameter) and isinstance(w2, nn.Parameter), "the stacks are loaded before prepack"
         for e in range(self.cfg.num_experts):
-            named[f"experts.{e}.w1.weight"] = self.w13[e, :i]
-            named[f"experts.{e}.w3.weight"] = self.w13[e, i:]
-            named[f"experts.{e}.w2.weight"] = self.w2[e]
+            named[f"experts.{e}.w1.weight"] = w13[e, :i]
+            named[f"experts.{e}.w3.weight"] = w13[e, i:]
+            named[f"experts.{e}.w2.weight"] = w2[e]
         if self.shared_experts is not None:
             for name, t in self.shared_experts.checkpoint_tensors().items():
                 named[f"shared_experts.{name}"] = t
         return named
 
+    def prepack(self) -> int:
+        """Split the expert stacks into one packed weight per expert (indexed like the stacks), so each active
+        expert's few-row GEMMs read packed weights; nothing is packed where the CPU linear cannot take them."""
+        w13, w2 = self.w13, self.w2
+        if not (isinstance(w13, nn.Parameter) and isinstance(w2, nn.Parameter) and can_pack(w13[0])):
+            return 0
+        del self.w13, self.w2  # registered as parameters: a module attribute cannot change kind in place
+        self.w13, self.w2 = (nn.ParameterList(nn.Parameter(pack(w), requires_grad=False) for w in stack)
+                             for stack in (w13, w2))
+        self.expert_linear = linear
+        return 2 * self.cfg.num_experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_tokens(x, self.gate_weight, self.correction_bias, self.cfg)
-        y = moe_experts(x, self.w13, self.w2, weights, ids)
+        y = moe_experts(x, self.w13, self.w2, weights, ids, linear=self.expert_linear)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -20,10 +20,11 @@ from deltaserve.layers.attn_res import AttnResWeights, BlockAttnRes
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
 from deltaserve.layers.latent_moe import LatentMoE
-from deltaserve.layers.linear import NormWeight
+from deltaserve.layers.linear import NormWeight, pack_parameter
 from deltaserve.layers.mla import MLAttention
 from deltaserve.layers.moe import GatedMLP, gated_activation
 from deltaserve.models.kimi_linear import layer_cache_specs
+from deltaserve.ops.linear import linear
 from deltaserve.ops.norm import rms_norm
 
 TEXT_PREFIX = "language_model."
@@ -155,7 +156,12 @@ class KimiK3ForConditionalGeneration(nn.Module):
             h = res.mix(self.output_attn_res)
         return rms_norm(h, self.norm.weight, cfg.rms_norm_eps)
 
+    def prepack(self) -> int:
+        """Pack the LM head for the CPU linear (`layers.linear.prepack_weights`); a tied head is the embedding table,
+        read by row, and stays plain."""
+        return 0 if self.config.tie_word_embeddings else pack_parameter(self, "lm_head")
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d] -> fp32 logits [n, vocab]."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()

@@ -14,9 +14,10 @@ from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
-from deltaserve.layers.linear import NormWeight
+from deltaserve.layers.linear import NormWeight, pack_parameter
 from deltaserve.layers.mla import MLAttention
 from deltaserve.layers.moe import GatedMLP, MoE
+from deltaserve.ops.linear import linear
 from deltaserve.ops.norm import rms_norm
 
 # transformers' save_pretrained writes the dense layer-0 MLP as block_sparse_moe.*; real checkpoints use mlp.*.
@@ -122,7 +123,12 @@ class KimiLinearForCausalLM(nn.Module):
             h = layer(h, batch, cache)
         return rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
 
+    def prepack(self) -> int:
+        """Pack the LM head for the CPU linear (`layers.linear.prepack_weights`); a tied head is the embedding table,
+        read by row, and stays plain."""
+        return 0 if self.config.tie_word_embeddings else pack_parameter(self, "lm_head")
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d] -> fp32 logits [n, vocab]."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head).float()

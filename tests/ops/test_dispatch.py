@@ -95,7 +95,7 @@ def test_forcing_per_op(monkeypatch: pytest.MonkeyPatch) -> None:
     force(monkeypatch, "rms_norm=fp32_only, moe_experts=ref")
     table = dispatch.log_backends()
     assert table["rms_norm"] == ("fp32_only",) and table["moe_experts"] == ("ref",)
-    assert table["kda_prefill"] == ("ref",)
+    assert table["kda_gate"] == ("ref",)  # not forced, no fast backend: unchanged
     rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6)
     assert spy.calls == 1
     with pytest.raises(ValueError, match="'fp32_only' for op 'rms_norm'.*does not support"):
@@ -128,12 +128,15 @@ def test_bad_forcing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, spec: str
 
 def test_log_backends_reports_ref_where_nothing_else_exists(caplog: pytest.LogCaptureFixture) -> None:
     """The start-up table covers every op layers and the sampler call: ref alone where no fast backend is
-    registered, the sorted MoE path before ref; one log line."""
+    registered, the fast backends before ref where they are (on this CPU: the CPU kernels and the packed linear);
+    one log line."""
     with caplog.at_level(logging.INFO, logger="deltaserve.ops.dispatch"):
         table = dispatch.log_backends()
     assert OPS_LAYERS_CALL <= set(table)
-    assert all(table[name] == ("ref",) for name in OPS_LAYERS_CALL - {"moe_experts"})
+    fast = {name: names for name, names in table.items() if names != ("ref",)}
+    assert fast == {name: (*(b.name for b in dispatch.get(name).backends if b.available()), "ref") for name in fast}
     assert table["moe_experts"] == ("sorted", "ref")
+    assert table["rms_norm"] == ("ref",)
     assert len(caplog.records) == 1 and "moe_experts=sorted>ref" in caplog.records[0].getMessage()
 
 

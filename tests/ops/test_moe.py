@@ -228,6 +228,16 @@ def test_moe_experts_sorted_path_matches_reference(num_tokens, dtype):
     assert torch.equal(ref, dispatch.moe_experts(x, w13, w2, weights, ids))
 
 
+def test_moe_experts_on_cpu_loop_over_the_experts_with_tokens():
+    """On a CPU the reference serves every call: torch's CPU grouped GEMM would loop over every expert, empty ones
+    included, where the reference loops over those that received tokens."""
+    from deltaserve.ops.moe import moe_experts as dispatched
+
+    x, w13, w2 = torch.randn(3, 32), torch.randn(8, 48, 32), torch.randn(8, 32, 24)
+    weights, ids = torch.rand(3, 2), torch.tensor([[0, 1], [1, 2], [0, 2]])
+    assert dispatched.select(x, w13, w2, weights, ids) == "ref"  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("dtype, d, i", [(torch.float64, 40, 24), (torch.float32, 63, 24), (torch.float32, 40, 25)],
                          ids=["fp64", "odd-hidden", "odd-intermediate"])
 def test_moe_experts_without_a_grouped_kernel_run_the_reference(dtype, d, i):
@@ -242,6 +252,7 @@ def test_moe_experts_without_a_grouped_kernel_run_the_reference(dtype, d, i):
     w2 = torch.randn(8, d, i, generator=g, dtype=dtype)
     weights, ids = moe_route(torch.randn(6, 8, generator=g), None, top_k=2, num_expert_group=1, topk_group=1,
                              renormalize=True, routed_scaling_factor=1.0)
-    assert not sorted_path.supports(x, w13, w2)
-    assert sorted_path.supports(x[:, :32].float(), w13[..., :32].float(), w2[..., :16].float())
+    meta = [t.to("meta") for t in (x, w13, w2)]  # a non-CPU device: only dtypes and shapes decide
+    assert not sorted_path.supports(*meta)
+    assert sorted_path.supports(meta[0][:, :32].float(), meta[1][..., :32].float(), meta[2][..., :16].float())
     assert torch.equal(dispatch.moe_experts(x, w13, w2, weights, ids), moe_experts(x, w13, w2, weights, ids))

@@ -96,7 +96,8 @@ def moe_experts(
     Args:
         x: ``[T, d]`` tokens.
         w13: ``[E, 2I, d]`` gate and up rows in the order ``act`` expects (default: ``I`` rows of w1, then ``I`` of
-            w3), or any stack ``linear`` understands that is indexed per expert (``w13[e]``), e.g. an MXFP4 tensor.
+            w3), or any stack ``linear`` understands that is indexed per expert (``w13[e]``) and has ``len``, e.g. an
+            MXFP4 tensor or a list of packed weights (``ops.linear.pack``).
         w2: ``[E, d, I]`` down projections (same kind as ``w13``).
         topk_weights: ``[T, k]`` combine weights (fp32).
         topk_ids: ``[T, k]`` int expert ids in ``[0, E)``.
@@ -112,7 +113,7 @@ def moe_experts(
     order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
     token_of_pair = order // top_k
     weight_of_pair = topk_weights.reshape(-1)[order]
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: acceptable in the reference
+    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()  # host sync: acceptable in the reference
 
     out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32) if fp32_combine else x.dtype)
     start = 0

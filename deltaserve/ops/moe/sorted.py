@@ -8,6 +8,8 @@ computed and kept on the device. On a GPU that makes a MoE layer sync-free with 
 torch's grouped GEMM has its fast kernel (bf16 on sm90 / sm100, e.g. an H200); elsewhere (fp32, other GPUs) torch
 falls back to one matmul per expert after copying the offsets to the host (one sync per call, as the reference).
 It computes only the T * k rows needed (no padded [E, m, d] batch: group-limited top-k routing is rarely balanced).
+CPU calls take the reference instead: torch's CPU grouped GEMM is a loop over every expert, empty ones included (256
+per layer for Kimi Linear 48B, of which a decode token uses 8), where the reference loops over the experts with rows.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ def available() -> bool:
 def supports(x: Tensor, w13: Any, w2: Any, topk_weights: Tensor | None = None, topk_ids: Tensor | None = None, *,
              act: Callable[[Tensor], Tensor] = silu_and_mul, linear: Callable[[Tensor, Any], Tensor] = F.linear,
              fp32_combine: bool = False) -> bool:
-    """Whether a `moe_experts` call can take this path: dense SiLU-GLU experts (the default `act` and `linear`, no
-    fp32 combine), a dtype `grouped_mm` takes, and rows of a multiple of 16 bytes in both GEMMs' inner dimension
-    (hidden size and expert intermediate size), which its kernels require."""
-    if act is not silu_and_mul or linear is not F.linear or fp32_combine or x.dtype not in DTYPES:
+    """Whether a `moe_experts` call can take this path: a GPU tensor (see the module docstring for CPUs), dense
+    SiLU-GLU experts (the default `act` and `linear`, no fp32 combine), a dtype `grouped_mm` takes, and rows of a
+    multiple of 16 bytes in both GEMMs' inner dimension (hidden size and expert intermediate size), which its kernels
+    require."""
+    if x.device.type == "cpu" or act is not silu_and_mul or linear is not F.linear or fp32_combine:
+        return False
+    if x.dtype not in DTYPES:
         return False
     return all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, w13, w2))
 

@@ -49,6 +49,10 @@ class MXFP4Tensor:
     def __getitem__(self, index: int | slice | Tensor) -> MXFP4Tensor:
         return MXFP4Tensor(self.packed[index], self.scale[index])
 
+    def __len__(self) -> int:
+        """The size of the leading dim (the experts of a stack), as a tensor's ``len``."""
+        return len(self.packed)
+
     @property
     def shape(self) -> torch.Size:
         """The logical (dequantised) shape ``[..., out, in]``."""
