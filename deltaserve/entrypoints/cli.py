@@ -91,7 +91,17 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deltaserve.bench import executor_overhead, followup, http_overhead, offline, serve, spec, sweep, trace_replay
+    from deltaserve.bench import (
+        cpu,
+        executor_overhead,
+        followup,
+        http_overhead,
+        offline,
+        serve,
+        spec,
+        sweep,
+        trace_replay,
+    )
     from deltaserve.config import CacheConfig, ParallelConfig, SchedulerConfig, ServerConfig
     from deltaserve.models.tiny_spec import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
@@ -160,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(bench_sub)
     sweep.add_parser(bench_sub)
     spec.add_parser(bench_sub)
+    cpu.add_parser(bench_sub)
     return parser
 
 
