@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BENCH_SPEC = dict(hidden=1024, layers=8, vocab=16384, intermediate=2816, moe_intermediate=512, experts=16, top_k=2,
-                  shared_experts=1, num_expert_group=1, topk_group=1, kda_heads=8, kda_head_dim=128, mla_heads=8,
-                  kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, first_k_dense=1)
+BENCH_SPEC: dict[str, Any] = dict(
+    hidden=1024, layers=8, vocab=16384, intermediate=2816, moe_intermediate=512, experts=16, top_k=2, shared_experts=1,
+    num_expert_group=1, topk_group=1, kda_heads=8, kda_head_dim=128, mla_heads=8, kv_lora_rank=256,
+    qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, first_k_dense=1,
+)
 """The ~260M checkpoint of the issue (`deltaserve make-tiny` with these sizes)."""
 
 PROBE = Path(__file__).with_name("cpu_probe.py")
