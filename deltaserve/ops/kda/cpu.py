@@ -1,0 +1,228 @@
+"""CPU backend of the chunked KDA prefill: the reference's chunked form (spec §3.7) with the decayed scores of a chunk
+as one matmul ``(q exp(G)) (k exp(-G))^T`` wherever the chunk's cumulative log-decay allows it (else the reference's
+safe recursive form), the chunk layout built by the elementwise ops that are needed anyway, and fused per-step ops."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from deltaserve.ops.kda import ref
+
+CHUNK = 16
+"""Internal chunk length (the caller's ``chunk_size`` is a reference setting; results match at any chunk size)."""
+
+SPAN_LIMIT = 120.0
+"""Widest in-chunk decay span ``-G_C`` (natural log units) whose decayed scores are factorised. The factors are taken
+about the middle of the span, ``exp(G_r + span/2) * exp(-G_i - span/2)``, each within ``exp(+-60)``: far from fp32
+overflow, and a product flushed to zero at ``exp(-60)`` drops under ``1e-38 * exp(60) ~ 1e-12`` of a score. Wider
+(chunk, head) pairs take the reference's recursive form, as do those with one ``g < _G_MIN``."""
+
+_G_MIN = -80.0
+"""Smallest per-token log-decay whose factor ``exp(g)`` the running product takes (fp32's normal range ends at -87)."""
+
+_GROUP_ELEMS = 1 << 19
+"""Elements of a ``[chunks, H, C, K]`` buffer per group of chunks: bounds memory on long prompts, and keeps a group's
+buffers within a core's L2."""
+
+_STATE_BYTES = 1 << 21
+"""Bytes of states a batch of short sequences keeps (about half of a core's L2 on the machine measured): a chunk step
+reads and writes every live state several times."""
+
+_ALONE_CHUNKS = 8
+"""Sequences of at least this many chunks run alone: their chunks are then views of the inputs (no padded copy) and
+the per-step calls are amortised over enough tokens."""
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def supports(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, *args: object,
+             **kwargs: object) -> bool:
+    """CPU calls with fp32 / bf16 activations and an fp32 state pool (fp64 runs go to the reference)."""
+    return (q.device.type == "cpu" and state_pool.dtype == torch.float32
+            and all(t.dtype in _DTYPES for t in (q, k, v)) and g.dtype == torch.float32)
+
+
+class _Workspace:
+    """The large per-group buffers, allocated once per call for the largest group and reused by every group (fresh
+    multi-megabyte allocations page-fault on every call)."""
+
+    def __init__(self, B: int, C: int, H: int, K: int) -> None:
+        self.E = torch.empty(B, C, H, K)
+        self.Kinv = torch.empty(B, H, C, K)
+        self.QK = torch.empty(B, H, 2 * C, K)
+
+
+class _Chunks:
+    """The reference's per-chunk quantities (`ref._Intra`) of a group of chunks, each ``[B, H, C, *]``, with raw
+    (unnormalised) queries: ``A`` and ``QK``'s q rows are linear in q, so its norm scales the output rows instead.
+    Views of the workspace: valid until the next group."""
+
+    def __init__(self, qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor, ws: _Workspace) -> None:
+        """Args: token-major chunks ``[B, C, H, *]`` (zero padding rows): raw q, normalised k, log-decay g, beta."""
+        B, C, H, K = kc.shape
+        t = lambda x: x.permute(0, 2, 1, 3)  # noqa: E731  [B, C, H, *] <-> [B, H, C, *] view
+        # E_r = exp(G_r + span/2) as a running product of the per-token factors exp(g) (each exact to an fp32
+        # rounding, so E_r / E_i = exp(G_r - G_i) to about |r - i| roundings, however large |G|); es = exp(span/2).
+        span = -gc.sum(1)  # [B, H, K]
+        es = (span * 0.5).exp_()
+        E, Kinv, QK = ws.E[:B], ws.Kinv[:B], ws.QK[:B]
+        eg = torch.exp(gc, out=Kinv.view(B, C, H, K))  # Kinv's buffer, free until the division below
+        torch.mul(eg[:, 0], es, out=E[:, 0])
+        for r in range(1, C):
+            torch.mul(E[:, r - 1], eg[:, r], out=E[:, r])
+        # Rows q E then k E of one buffer: one matmul with k / E gives the decayed q.k and k.k scores.
+        torch.mul(t(qc), t(E), out=QK[:, :, :C])
+        torch.mul(t(kc), t(E), out=QK[:, :, C:])
+        torch.div(t(kc), t(E), out=Kinv)
+        scores = torch.bmm(QK.flatten(0, 1), Kinv.flatten(0, 1).transpose(1, 2)).view(B, H, 2 * C, C)
+        self.A = scores[:, :, :C].tril()  # [B, H, C, C] decayed q.k, i <= r
+        # Tb = (I + L)^-1 diag(beta) with L = beta_r * Mk strictly below the diagonal (solve_triangular ignores the
+        # rest): the reference's U - W S is Tb (v - k exp(G) S), applied per step (a [C, C] matmul).
+        bt = t(bc.unsqueeze(-1))  # [B, H, C, 1]
+        eye = torch.eye(C).expand(B, H, C, C)
+        self.Tb = torch.linalg.solve_triangular(bt * scores[:, :, C:], eye, upper=False, unitriangular=True)
+        self.Tb.mul_(bt.transpose(-1, -2))
+        inv_es = t(es.reciprocal_().unsqueeze(1))  # [B, H, 1, K]
+        self.QK = QK.mul_(inv_es)  # [B, H, 2C, K]: q exp(G), then k exp(G)
+        self.decay = E[:, -1] * inv_es[:, :, 0]  # [B, H, K] exp(G_C)
+        self.Kd = Kinv.mul_(t(E[:, -1:]))  # [B, H, C, K] k exp(G_C - G)
+        # Too wide to factorise, or a factor exp(g) below fp32's normal range (one g < -87 within a narrow span).
+        steep = torch.nonzero(((span.amax(-1) > SPAN_LIMIT) | (gc.amin((1, 3)) < _G_MIN)).flatten()).flatten()
+        if steep.numel():
+            self._redo(steep, qc, kc, gc, bc)
+
+    def _redo(self, idx: Tensor, qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor) -> None:
+        """The reference's recursive decayed scores for the (chunk, head) pairs ``idx`` (flat ``chunk * H + head``)
+        whose decay span is too wide to factorise, and the quantities built from them."""
+        pick = lambda x: x.transpose(1, 2).flatten(0, 1)[idx].unsqueeze(1).to(torch.float32)  # noqa: E731  [n,1,C,*]
+        G = pick(gc).to(torch.float64).cumsum(2)
+        q, k, beta = pick(qc), pick(kc), pick(bc.unsqueeze(-1))  # [n, 1, C, K], [n, 1, C, K], [n, 1, C, 1]
+        A, Mk = ref._decayed_scores(q, k, G).unbind(0)
+        eye = torch.eye(k.shape[2]).expand(*Mk.shape)
+        Tb = torch.linalg.solve_triangular(beta * Mk, eye, upper=False, unitriangular=True) * beta.transpose(-1, -2)
+        eG = G.to(torch.float32).exp()
+        C = k.shape[2]
+        for mine, theirs in ((self.A, A), (self.Tb, Tb), (self.QK[:, :, :C], q * eG), (self.QK[:, :, C:], k * eG),
+                             (self.Kd, k * (G[:, :, -1:] - G).to(torch.float32).exp()), (self.decay, eG[:, :, -1])):
+            mine.flatten(0, 1)[idx] = theirs.squeeze(1)
+
+
+def _token_chunks(x: Tensor, lay: ref._Layout, C: int, identity: bool) -> Tensor:
+    """``[T, H, *]`` packed tokens -> ``[chunks, C, H, *]`` token-major chunks, zero-padded (a view when the tokens
+    already are one sequence of whole chunks)."""
+    NC = lay.offs[-1]
+    if identity:
+        return x.view(NC, C, *x.shape[1:])
+    return x.new_zeros(NC * C, *x.shape[1:]).index_copy_(0, lay.cid * C + lay.pos, x).view(NC, C, *x.shape[1:])
+
+
+def _runs(cu: list[int], per_batch: int) -> list[tuple[int, int]]:
+    """Sequence ranges ``[a, b)`` run together: a long sequence alone, consecutive short ones up to ``per_batch``."""
+    runs, a = [], 0
+    for i in range(len(cu) - 1):
+        if cu[i + 1] - cu[i] >= _ALONE_CHUNKS * CHUNK:
+            runs += [(a, i)] if a < i else []
+            runs.append((i, i + 1))
+            a = i + 1
+        elif i + 1 - a >= per_batch:
+            runs.append((a, i + 1))
+            a = i + 1
+    return runs + ([(a, len(cu) - 1)] if a < len(cu) - 1 else [])
+
+
+def kda_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    state_indices: Tensor,
+    cu_seqlens: Tensor | Sequence[int],
+    checkpoint_positions: Sequence[Sequence[int]] | None = None,
+    checkpoint_slots: Sequence[Sequence[int]] | None = None,
+    chunk_size: int = 64,
+) -> Tensor:
+    """Same contract as :func:`deltaserve.ops.kda.ref.kda_prefill` (packed varlen batch, state pool read and written
+    in place, checkpoint states at any positions into their slots), for CPU fp32 / bf16 activations and an fp32
+    pool; math in fp32. ``chunk_size`` is ignored: chunks are `CHUNK` long."""
+    del chunk_size
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+    if checkpoint_positions is not None or checkpoint_slots is not None:
+        ref._check_checkpoints(checkpoint_positions, checkpoint_slots, cu)
+    (H, K), V = k.shape[1:], v.shape[-1]
+    out = q.new_empty(cu[-1], H, V)
+    runs = _runs(cu, max(1, _STATE_BYTES // (state_pool[0].numel() * state_pool.element_size())))
+    most = max((-(-(cu[b] - cu[a]) // CHUNK) + b - a for a, b in runs), default=0)  # chunks of a run, at most
+    ws = _Workspace(max(1, min(most, _GROUP_ELEMS // (H * CHUNK * K))), CHUNK, H, K)
+    for a, b in runs:
+        rows = slice(cu[a], cu[b])
+        positions = None if checkpoint_positions is None else checkpoint_positions[a:b]
+        ckpt_slots = None if checkpoint_slots is None else checkpoint_slots[a:b]
+        _prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], state_pool, state_indices[a:b],
+                 [c - cu[a] for c in cu[a : b + 1]], positions, ckpt_slots, out[rows], ws)
+    return out
+
+
+def _prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, state_indices: Tensor,
+             cu: list[int], checkpoint_positions: Sequence[Sequence[int]] | None,
+             checkpoint_slots: Sequence[Sequence[int]] | None, out: Tensor, ws: _Workspace) -> None:
+    """`kda_prefill` of one run of sequences (``cu``: host offsets from 0) into ``out`` ``[T, H, V]``."""
+    C, (H, K), V = CHUNK, k.shape[1:], v.shape[-1]
+    lay = ref._layout(cu, C, q.device)
+    NC, T = lay.offs[-1], cu[-1]
+    # L2 norms as in the reference (eps inside the sqrt, q scaled by K**-0.5): k is normalised here, q's factor
+    # scales the output rows.
+    norm = lambda x: (torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square_() + 1e-6).rsqrt_()  # noqa: E731
+    nq = norm(q).mul_(K**-0.5)  # [T, H]
+    kn = k * norm(k).unsqueeze(-1)  # [T, H, K] fp32
+    identity = len(cu) == 2 and T == NC * C  # one sequence of whole chunks: chunks are views
+    qc, kc, vc, gc, bc, nqc = (_token_chunks(x, lay, C, identity)
+                               for x in (q, kn, v.to(torch.float32), g, beta.to(torch.float32), nq))
+    oc = out.view(NC, C, H, V) if identity else out.new_empty(NC, C, H, V)  # [chunks, C, H, V] output rows
+    slots = state_indices.to(device=q.device, dtype=torch.int64)[lay.order]
+    S = state_pool.index_select(0, slots)  # [N, H, K, V] in rank order
+    plan = ref._plan_checkpoints(checkpoint_positions, checkpoint_slots, cu, lay, C, q.device)
+    cps = torch.zeros(len(plan.cid) if plan is not None else 0, H, K, V)  # states at the checkpoints
+    group = ws.E.shape[0]
+    for g0 in range(0, NC, group):
+        g1 = min(NC, g0 + group)
+        ch = _Chunks(qc[g0:g1], kc[g0:g1], gc[g0:g1], bc[g0:g1], ws)
+        for t, lo, hi in ref._units(lay.offs, g0, g1):
+            r, s = slice(lo - g0, hi - g0), slice(lo - lay.offs[t], hi - lay.offs[t])  # chunk rows, state rows
+            S_in = S[s]
+            Sf = S_in.flatten(0, 1)  # [n * H, K, V]; matmul operands below flattened the same way
+            P = torch.bmm(ch.QK[r].flatten(0, 1), Sf)  # [n * H, 2C, V]: q exp(G) S, then k exp(G) S
+            v_in = vc[lo:hi].transpose(1, 2).reshape(-1, C, V)
+            Vp = torch.bmm(ch.Tb[r].flatten(0, 1), v_in - P[:, C:])  # pseudo-values (the reference's U - W S)
+            o = torch.baddbmm(P[:, :C], ch.A[r].flatten(0, 1), Vp).view(hi - lo, H, C, V)
+            torch.mul(o.transpose(1, 2), nqc[lo:hi].unsqueeze(-1), out=oc[lo:hi])
+            if plan is not None:
+                _checkpoints(cps, plan, lo, hi, lo - g0, gc[g0:g1], kc[g0:g1], Vp.view(hi - lo, H, C, V), S_in)
+            S_in.mul_(ch.decay[r].unsqueeze(-1))
+            Sf.baddbmm_(ch.Kd[r].flatten(0, 1).transpose(1, 2), Vp)
+    state_pool.index_copy_(0, slots, S)
+    if plan is not None:
+        state_pool.index_copy_(0, plan.slots_t, cps)
+    if not identity:
+        torch.index_select(oc.view(NC * C, H, V), 0, lay.cid * C + lay.pos, out=out)
+
+
+def _checkpoints(out: Tensor, plan: ref._CheckpointPlan, lo: int, hi: int, row0: int, gc: Tensor, kc: Tensor,
+                 Vp: Tensor, S_in: Tensor) -> None:
+    """Write into ``out`` the checkpoints inside chunks ``lo:hi`` (group rows from ``row0``) with the reference's
+    exact form, on those chunks' own fp64 cumulative log-decays."""
+    picked = [n for n, c in enumerate(plan.cid) if lo <= c < hi]
+    if not picked:
+        return
+    sel = torch.tensor(picked, device=out.device)
+    rows = plan.cid_t[sel] - lo  # unit rows
+    G = gc[rows + row0].to(torch.float64).cumsum(1).transpose(1, 2)  # [P, H, C, K]
+    P = len(picked)
+    mini = ref._CheckpointPlan(list(range(P)), torch.arange(P, device=out.device), plan.j_t[sel], plan.slots_t[sel])
+    states = out.new_empty(P, *out.shape[1:])
+    ref._checkpoints_in(states, mini, 0, P, G, kc[rows + row0].transpose(1, 2), Vp[rows], S_in[rows])
+    out[sel] = states
