@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-remote-code", action="store_true",
                      help="accepted for `vllm serve` command lines (Kimi's need it there); no effect: deltaserve "
                           "implements the models and never runs a checkpoint's code")
+    srv.add_argument("--enforce-eager", action="store_true",
+                     help="accepted for `vllm serve` command lines; no effect: deltaserve runs eagerly (torch.compile "
+                          "measured slower than its hand-fused CPU ops, see docs/benchmarks.md)")
     add_dataclass_args(srv.add_argument_group("server"), ServerConfig)
     engine = srv.add_argument_group("engine (help generated from the config dataclasses)")
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})

@@ -1,0 +1,46 @@
+"""torch.compile (inductor, CPU) against eager on two decode-step ops at batch 1, one thread: the measurement behind
+running the CPU decode eagerly (docs/benchmarks.md, "CPU fast path"). Prints microseconds per call and compile time.
+
+Usage: python scripts/compile_probe.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from deltaserve.ops.kda import ref
+from deltaserve.ops.norm import ref_rms_norm
+
+
+def per_call_us(fn, n: int = 200) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    h, k = 8, 128  # the ~260M benchmark checkpoint's KDA heads
+    pool = torch.randn(64, h, k, k) * 0.01
+    q, kk, v = (torch.randn(1, h, k) for _ in range(3))
+    g, beta, slots = -torch.rand(1, h, k), torch.rand(1, h), slice(3, 4)
+    x, w = torch.randn(1, 1024).bfloat16(), torch.randn(1024).bfloat16()
+    for name, fn, args in (("kda_decode", ref.kda_decode, (q, kk, v, g, beta, pool, slots)),
+                           ("rms_norm bf16", ref_rms_norm, (x, w, 1e-5))):
+        eager = per_call_us(lambda fn=fn, args=args: fn(*args))
+        start = time.perf_counter()
+        compiled = torch.compile(fn, dynamic=True)
+        compiled(*args)
+        compile_s = time.perf_counter() - start
+        fast = per_call_us(lambda compiled=compiled, args=args: compiled(*args))
+        print(f"{name}: eager {eager:.1f} us, compiled {fast:.1f} us per call (compile {compile_s:.1f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
