@@ -181,7 +181,7 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_poo
     kn = k * norm(k).unsqueeze(-1)  # [T, H, K] fp32
     identity = len(cu) == 2 and T == NC * C  # one sequence of whole chunks: chunks are views
     qc, kc, vc, gc, bc, nqc = (_token_chunks(x, lay, C, identity)
-                               for x in (q, kn, v.to(torch.float32), g, beta.to(torch.float32), nq))
+                               for x in (q, kn, v, g, beta.to(torch.float32), nq))
     oc = out.view(NC, C, H, V) if identity else out.new_empty(NC, C, H, V)  # [chunks, C, H, V] output rows
     slots = state_indices.to(device=q.device, dtype=torch.int64)[lay.order]
     S = state_pool.index_select(0, slots)  # [N, H, K, V] in rank order
@@ -196,10 +196,11 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_poo
             S_in = S[s]
             Sf = S_in.flatten(0, 1)  # [n * H, K, V]; matmul operands below flattened the same way
             P = torch.bmm(ch.QK[r].flatten(0, 1), Sf)  # [n * H, 2C, V]: q exp(G) S, then k exp(G) S
-            v_in = vc[lo:hi].transpose(1, 2).reshape(-1, C, V)
-            Vp = torch.bmm(ch.Tb[r].flatten(0, 1), v_in - P[:, C:])  # pseudo-values (the reference's U - W S)
-            o = torch.baddbmm(P[:, :C], ch.A[r].flatten(0, 1), Vp).view(hi - lo, H, C, V)
-            torch.mul(o.transpose(1, 2), nqc[lo:hi].unsqueeze(-1), out=oc[lo:hi])
+            X, o = P[:, C:], P[:, :C]  # both computed on in place below
+            torch.sub(vc[lo:hi].transpose(1, 2), X.view(hi - lo, H, C, V), out=X.view(hi - lo, H, C, V))  # v - k S
+            Vp = torch.bmm(ch.Tb[r].flatten(0, 1), X)  # pseudo-values (the reference's U - W S)
+            o.baddbmm_(ch.A[r].flatten(0, 1), Vp)
+            torch.mul(o.view(hi - lo, H, C, V).transpose(1, 2), nqc[lo:hi].unsqueeze(-1), out=oc[lo:hi])
             if plan is not None:
                 _checkpoints(cps, plan, lo, hi, lo - g0, gc[g0:g1], kc[g0:g1], Vp.view(hi - lo, H, C, V), S_in)
             S_in.mul_(ch.decay[r].unsqueeze(-1))

@@ -66,7 +66,7 @@ def short_conv_prefill(
     # first. Every row reads the rows before it in the packed stream; rows within W-1 of a sequence start, which
     # read that sequence's window instead, are recomputed below.
     acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-    w = weight.to(acc_dtype).t()  # [W, C]
+    w = weight.to(acc_dtype).t().contiguous()  # [W, C]: contiguous rows broadcast fast
     xs = x.to(weight.dtype).to(acc_dtype)  # no copy for fp32 in, fp32 weight
     out = torch.empty(num_tokens, x.shape[1], dtype=acc_dtype, device=device)
     if num_tokens > state_len:
@@ -107,23 +107,25 @@ def short_conv_decode(
     activation: str | None = "silu",
 ) -> Tensor:
     """Same contract as :func:`deltaserve.ops.short_conv.ref.short_conv_decode`, with the multiply-adds fused as in
-    this module's prefill (so a token gives the same bits here and there) and the activation in place."""
+    this module's prefill. The windows are read once into a time-first copy, so every tap is a contiguous row (the
+    pool is channels first: its taps are stride-(W-1) columns, slow to read op by op), and shifted in place."""
     if isinstance(state_indices, slice):
-        windows = conv_state_pool[state_indices]  # a view: read by the cat before it is overwritten
+        windows = conv_state_pool[state_indices]  # a view: shifted in place below
     else:
         slots = state_indices.to(device=conv_state_pool.device, dtype=torch.long)
-        windows = conv_state_pool.index_select(0, slots)
+        windows = conv_state_pool.index_select(0, slots)  # [N, C, W-1], written back below
+    old = windows.transpose(1, 2).contiguous()  # [N, W-1, C] in the pool's dtype
     acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-    w = weight.to(acc_dtype)
+    w = weight.to(acc_dtype).t().contiguous()  # [W, C]: contiguous rows broadcast fast
     # Taps oldest first as in the reference: window entries from the pool, the new input cast straight from x.
-    taps = [windows[..., j] for j in range(weight.shape[-1] - 1)] + [x]
-    out = taps[0].to(weight.dtype).to(acc_dtype) * w[:, 0]
-    for j in range(1, weight.shape[-1]):
-        out.addcmul_(taps[j].to(weight.dtype).to(acc_dtype), w[:, j])
-    stream = torch.cat([windows, x.to(conv_state_pool.dtype)[:, :, None]], dim=-1)  # [N, C, W], pool dtype
+    taps = [old[:, j] for j in range(old.shape[1])] + [x]
+    out = taps[0].to(weight.dtype).to(acc_dtype) * w[0]
+    for j in range(1, len(taps)):
+        out.addcmul_(taps[j].to(weight.dtype).to(acc_dtype), w[j])
     out = _activate_(out.to(weight.dtype), activation)
-    if isinstance(state_indices, slice):
-        conv_state_pool[state_indices] = stream[..., 1:]
-    else:
-        conv_state_pool.index_copy_(0, slots, stream[..., 1:])
+    if old.shape[1]:
+        windows[..., :-1] = old[:, 1:].transpose(1, 2)
+        windows[..., -1] = x  # cast to the pool's dtype
+    if not isinstance(state_indices, slice):
+        conv_state_pool.index_copy_(0, slots, windows)
     return out.to(x.dtype)
