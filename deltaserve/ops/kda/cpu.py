@@ -32,8 +32,8 @@ _STATE_BYTES = 1 << 21
 reads and writes every live state several times."""
 
 _ALONE_CHUNKS = 8
-"""Sequences of at least this many chunks run alone: their chunks are then views of the inputs (no padded copy) and
-the per-step calls are amortised over enough tokens."""
+"""Sequences of at least this many chunks run alone: their whole chunks are then views of the inputs (no padded copy;
+a partial last chunk runs after them, padded) and the per-step calls are amortised over enough tokens."""
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -159,11 +159,22 @@ def kda_prefill(
     most = max((-(-(cu[b] - cu[a]) // CHUNK) + b - a for a, b in runs), default=0)  # chunks of a run, at most
     ws = _Workspace(max(1, min(most, _GROUP_ELEMS // (H * CHUNK * K))), CHUNK, H, K)
     for a, b in runs:
-        rows = slice(cu[a], cu[b])
         positions = None if checkpoint_positions is None else checkpoint_positions[a:b]
         ckpt_slots = None if checkpoint_slots is None else checkpoint_slots[a:b]
-        _prefill(q[rows], k[rows], v[rows], g[rows], beta[rows], state_pool, state_indices[a:b],
-                 [c - cu[a] for c in cu[a : b + 1]], positions, ckpt_slots, out[rows], ws)
+        lo, hi = cu[a], cu[b]
+        whole = lo + (hi - lo) // CHUNK * CHUNK
+        if b - a > 1 or whole in (lo, hi):
+            _prefill(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state_pool, state_indices[a:b],
+                     [c - lo for c in cu[a : b + 1]], positions, ckpt_slots, out[lo:hi], ws)
+            continue
+        # One sequence with a partial last chunk: its whole chunks on views of the inputs, then the tail (padded),
+        # which starts from the state the first part leaves in the slot.
+        ckpts = list(zip(positions[0], ckpt_slots[0], strict=True)) if positions and ckpt_slots else []
+        for r0, r1 in ((lo, whole), (whole, hi)):
+            part = [(p - (r0 - lo), slot) for p, slot in ckpts if r0 - lo < p <= r1 - lo]  # rebased to the part
+            _prefill(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], state_pool, state_indices[a:b],
+                     [0, r1 - r0], [[p for p, _ in part]] if part else None, [[s for _, s in part]] if part else None,
+                     out[r0:r1], ws)
     return out
 
 
