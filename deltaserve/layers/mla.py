@@ -80,7 +80,14 @@ class MLAttention(nn.Module):
         the cache (query i at position context_lens[i] - 1 of block_tables[i]) -> W_uv -> [N, H, Dv]."""
         dn = self.cfg.qk_nope_head_dim
         w_uk, w_uv = w_uk.to(q.dtype), w_uv.to(q.dtype)
-        q_latent = torch.cat([torch.einsum("nhd,hdr->nhr", q[..., :dn], w_uk), q[..., dn:]], dim=-1)  # [N, H, R+Dr]
+        # Heads as the batch of plain bmm's: at decode sizes einsum's permutes and copies cost more than the products.
+        q_nope = torch.bmm(q[..., :dn].transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, R]
+        q_latent = torch.cat([q_nope, q[..., dn:]], dim=-1)  # [N, H, R+Dr]
         o_latent = mla_decode(q_latent, cache.kv, block_tables, context_lens,
                               kv_lora_rank=self.cfg.kv_lora_rank, scale=self.scale)  # [N, H, R]
-        return torch.einsum("nhr,hvr->nhv", o_latent, w_uv)
+        if q.is_cpu and q.dtype == torch.bfloat16:
+            # oneDNN's bf16 bmm copies a transposed operand whose batch stride is not its matrix size (w_uv^T, a slice
+            # of kv_b): ~60 us of a ~100 us product at batch 1. The transposed product reads w_uv as it lies (with
+            # fp32's BLAS it is the slower form at batch 1).
+            return torch.bmm(w_uv, o_latent.permute(1, 2, 0)).permute(2, 0, 1)  # [N, H, Dv]
+        return torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [N, H, Dv]
