@@ -17,8 +17,8 @@ CHUNK = 16
 SPAN_LIMIT = 120.0
 """Widest in-chunk decay span ``-G_C`` (natural log units) whose decayed scores are factorised. The factors are taken
 about the middle of the span, ``exp(G_r + span/2) * exp(-G_i - span/2)``, each within ``exp(+-60)``: far from fp32
-overflow, and a product flushed to zero at ``exp(-60)`` drops under ``1e-38 * exp(60) ~ 1e-12`` of a score. Wider
-(chunk, head) pairs take the reference's recursive form, as do those with one ``g < _G_MIN``."""
+overflow, and a product flushed to zero at ``exp(-60)`` drops under ``1e-38 * exp(60) ~ 1e-12`` of a score. A group
+of chunks with a wider (chunk, head) pair, or with one ``g < _G_MIN``, takes the reference's recursive scores."""
 
 _G_MIN = -80.0
 """Smallest per-token log-decay whose factor ``exp(g)`` the running product takes (fp32's normal range ends at -87)."""
@@ -53,6 +53,15 @@ class _Workspace:
         self.E = torch.empty(B, C, H, K)
         self.Kinv = torch.empty(B, H, C, K)
         self.QK = torch.empty(B, H, 2 * C, K)
+        self._recursive: tuple[Tensor, ...] | None = None
+
+    def recursive(self) -> tuple[Tensor, ...]:
+        """Buffers of the recursive scores, made on first use: q, k, exp(g) as ``[B, H, C, K]``, then the row
+        factors, column factors and right-half rows of one level as ``[B, H, C / 2, K]``."""
+        if self._recursive is None:
+            B, H, C, K = self.Kinv.shape
+            self._recursive = (*torch.empty(3, B, H, C, K), *torch.empty(3, B, H, C // 2, K))
+        return self._recursive
 
 
 class _Chunks:
@@ -63,13 +72,30 @@ class _Chunks:
     def __init__(self, qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor, ws: _Workspace) -> None:
         """Args: token-major chunks ``[B, C, H, *]`` (zero padding rows): raw q, normalised k, log-decay g, beta."""
         B, C, H, K = kc.shape
-        t = lambda x: x.permute(0, 2, 1, 3)  # noqa: E731  [B, C, H, *] <-> [B, H, C, *] view
+        self.t = lambda x: x.permute(0, 2, 1, 3)  # [B, C, H, *] <-> [B, H, C, *] view
+        span = -gc.sum(1)  # [B, H, K]
+        self.ws, self.E, self.Kinv, self.QK = ws, ws.E[:B], ws.Kinv[:B], ws.QK[:B]
+        eg = torch.exp(gc, out=self.Kinv.view(B, C, H, K))  # Kinv's buffer, free once eg is used
+        # Factorised when every (chunk, head) of the group allows it (one host read per group); else the reference's
+        # recursive form for the whole group.
+        if span.max().item() <= SPAN_LIMIT and gc.min().item() >= _G_MIN:
+            A, Mk = self._factorised(qc, kc, span, eg)
+        else:
+            A, Mk = self._recursive(qc, kc, eg)
+        self.A = A.tril()  # [B, H, C, C] decayed q.k, i <= r
+        # Tb = (I + L)^-1 diag(beta) with L = beta_r * Mk strictly below the diagonal (solve_triangular ignores the
+        # rest): the reference's U - W S is Tb (v - k exp(G) S), applied per step (a [C, C] matmul).
+        bt = self.t(bc.unsqueeze(-1))  # [B, H, C, 1]
+        eye = torch.eye(C).expand(B, H, C, C)
+        self.Tb = torch.linalg.solve_triangular(bt * Mk, eye, upper=False, unitriangular=True)
+        self.Tb.mul_(bt.transpose(-1, -2))
+
+    def _factorised(self, qc: Tensor, kc: Tensor, span: Tensor, eg: Tensor) -> tuple[Tensor, Tensor]:
+        """Decayed scores as one matmul; sets ``QK`` (q exp(G), then k exp(G)), ``decay`` and ``Kd``."""
+        C, t, E, Kinv, QK = qc.shape[1], self.t, self.E, self.Kinv, self.QK
         # E_r = exp(G_r + span/2) as a running product of the per-token factors exp(g) (each exact to an fp32
         # rounding, so E_r / E_i = exp(G_r - G_i) to about |r - i| roundings, however large |G|); es = exp(span/2).
-        span = -gc.sum(1)  # [B, H, K]
         es = (span * 0.5).exp_()
-        E, Kinv, QK = ws.E[:B], ws.Kinv[:B], ws.QK[:B]
-        eg = torch.exp(gc, out=Kinv.view(B, C, H, K))  # Kinv's buffer, free until the division below
         torch.mul(eg[:, 0], es, out=E[:, 0])
         for r in range(1, C):
             torch.mul(E[:, r - 1], eg[:, r], out=E[:, r])
@@ -77,37 +103,56 @@ class _Chunks:
         torch.mul(t(qc), t(E), out=QK[:, :, :C])
         torch.mul(t(kc), t(E), out=QK[:, :, C:])
         torch.div(t(kc), t(E), out=Kinv)
-        scores = torch.bmm(QK.flatten(0, 1), Kinv.flatten(0, 1).transpose(1, 2)).view(B, H, 2 * C, C)
-        self.A = scores[:, :, :C].tril()  # [B, H, C, C] decayed q.k, i <= r
-        # Tb = (I + L)^-1 diag(beta) with L = beta_r * Mk strictly below the diagonal (solve_triangular ignores the
-        # rest): the reference's U - W S is Tb (v - k exp(G) S), applied per step (a [C, C] matmul).
-        bt = t(bc.unsqueeze(-1))  # [B, H, C, 1]
-        eye = torch.eye(C).expand(B, H, C, C)
-        self.Tb = torch.linalg.solve_triangular(bt * scores[:, :, C:], eye, upper=False, unitriangular=True)
-        self.Tb.mul_(bt.transpose(-1, -2))
+        scores = torch.bmm(QK.flatten(0, 1), Kinv.flatten(0, 1).transpose(1, 2)).view(*Kinv.shape[:2], 2 * C, C)
         inv_es = t(es.reciprocal_().unsqueeze(1))  # [B, H, 1, K]
-        self.QK = QK.mul_(inv_es)  # [B, H, 2C, K]: q exp(G), then k exp(G)
+        QK.mul_(inv_es)  # k E and q E were k exp(G) * es and q exp(G) * es
         self.decay = E[:, -1] * inv_es[:, :, 0]  # [B, H, K] exp(G_C)
         self.Kd = Kinv.mul_(t(E[:, -1:]))  # [B, H, C, K] k exp(G_C - G)
-        # Too wide to factorise, or a factor exp(g) below fp32's normal range (one g < -87 within a narrow span).
-        steep = torch.nonzero(((span.amax(-1) > SPAN_LIMIT) | (gc.amin((1, 3)) < _G_MIN)).flatten()).flatten()
-        if steep.numel():
-            self._redo(steep, qc, kc, gc, bc)
+        return scores[:, :, :C], scores[:, :, C:]
 
-    def _redo(self, idx: Tensor, qc: Tensor, kc: Tensor, gc: Tensor, bc: Tensor) -> None:
-        """The reference's recursive decayed scores for the (chunk, head) pairs ``idx`` (flat ``chunk * H + head``)
-        whose decay span is too wide to factorise, and the quantities built from them."""
-        pick = lambda x: x.transpose(1, 2).flatten(0, 1)[idx].unsqueeze(1).to(torch.float32)  # noqa: E731  [n,1,C,*]
-        G = pick(gc).to(torch.float64).cumsum(2)
-        q, k, beta = pick(qc), pick(kc), pick(bc.unsqueeze(-1))  # [n, 1, C, K], [n, 1, C, K], [n, 1, C, 1]
-        A, Mk = ref._decayed_scores(q, k, G).unbind(0)
-        eye = torch.eye(k.shape[2]).expand(*Mk.shape)
-        Tb = torch.linalg.solve_triangular(beta * Mk, eye, upper=False, unitriangular=True) * beta.transpose(-1, -2)
-        eG = G.to(torch.float32).exp()
-        C = k.shape[2]
-        for mine, theirs in ((self.A, A), (self.Tb, Tb), (self.QK[:, :, :C], q * eG), (self.QK[:, :, C:], k * eG),
-                             (self.Kd, k * (G[:, :, -1:] - G).to(torch.float32).exp()), (self.decay, eG[:, :, -1])):
-            mine.flatten(0, 1)[idx] = theirs.squeeze(1)
+    def _recursive(self, qc: Tensor, kc: Tensor, eg: Tensor) -> tuple[Tensor, Tensor]:
+        """The reference's recursive decayed scores (safe at any decay), with its exp(G_r - G_p) and exp(G_p - G_i)
+        as running products of exp(g) over at most the chunk; ``QK``, ``decay`` and ``Kd`` the same way. Every
+        factor is <= 1, so an underflow only drops a value below 1e-38."""
+        B, C, H, K = qc.shape
+        t, E, Kinv, QK = self.t, self.E, self.Kinv, self.QK
+        E[:, 0] = eg[:, 0]
+        for r in range(1, C):
+            torch.mul(E[:, r - 1], eg[:, r], out=E[:, r])  # exp(G_r)
+        torch.mul(t(qc), t(E), out=QK[:, :, :C])
+        torch.mul(t(kc), t(E), out=QK[:, :, C:])
+        self.decay = E[:, -1].clone()  # [B, H, K] exp(G_C)
+        q, k, egh, F, Bc, R = (x[:B] for x in self.ws.recursive())
+        egh.copy_(t(eg))
+        E[:, -1] = 1.0  # E becomes exp(G_C - G_i), a running product from the chunk's end
+        for r in range(C - 2, -1, -1):
+            torch.mul(E[:, r + 1], eg[:, r + 1], out=E[:, r])
+        self.Kd = torch.mul(t(kc), t(E), out=Kinv)  # overwrites eg (copied above)
+        q.copy_(t(qc))
+        k.copy_(t(kc))
+        A, Mk = q.new_zeros(B, H, C, C), q.new_zeros(B, H, C, C)
+        # As `ref._decayed_scores` for a power-of-two C: in a block [s, s + 2h), rows r of the right half meet the
+        # columns i of the left half through p = s + h - 1: exp(G_r - G_p) is the product of exp(g) over the right
+        # half up to r, exp(G_p - G_i) over the left half after i.
+        h = C // 2
+        while h >= 1:
+            nb = C // (2 * h)
+            e = egh.unflatten(2, (nb, 2, h))  # [B, H, nb, 2, h, K]
+            rows, cols, right = (x.view(B, H, nb, h, K) for x in (F, Bc, R))
+            rows.copy_(e[:, :, :, 1])
+            cols[:, :, :, h - 1] = 1.0
+            for j in range(1, h):
+                rows[:, :, :, j].mul_(rows[:, :, :, j - 1])
+                torch.mul(cols[:, :, :, h - j], e[:, :, :, 0, h - j], out=cols[:, :, :, h - j - 1])
+            left = cols.mul_(k.unflatten(2, (nb, 2, h))[:, :, :, 0]).transpose(-1, -2)  # [B, H, nb, K, h]
+            for x, M in ((q, A), (k, Mk)):
+                torch.mul(x.unflatten(2, (nb, 2, h))[:, :, :, 1], rows, out=right)
+                blocks = M.unflatten(2, (nb, 2, h)).unflatten(-1, (nb, 2, h)).diagonal(dim1=2, dim2=5)[:, :, 1, :, 0]
+                blocks.copy_((right @ left).permute(0, 1, 3, 4, 2))
+            h //= 2
+        for x, M in ((q, A), (k, Mk)):  # x_r . k_r on the diagonal (exp(0)): a [C, C] matmul beats a mul and sum
+            M.diagonal(dim1=-2, dim2=-1).copy_((x @ k.transpose(-1, -2)).diagonal(dim1=-2, dim2=-1))
+        return A, Mk
 
 
 def _token_chunks(x: Tensor, lay: ref._Layout, C: int, identity: bool) -> Tensor:
