@@ -1,6 +1,7 @@
 """CPU backend of the chunked KDA prefill: the reference's chunked form (spec §3.7) with the decayed scores of a chunk
-as one matmul ``(q exp(G)) (k exp(-G))^T`` wherever the chunk's cumulative log-decay allows it (else the reference's
-safe recursive form), the chunk layout built by the elementwise ops that are needed anyway, and fused per-step ops."""
+as one matmul ``(q exp(G)) (k exp(-G))^T`` where the cumulative log-decays allow it (else the reference's recursive
+form), every decay a running product of per-token ``exp(g)`` in fp32, the chunk layout built by the elementwise ops
+that are needed anyway, and fused per-step ops."""
 
 from __future__ import annotations
 
