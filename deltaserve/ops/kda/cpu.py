@@ -253,10 +253,11 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_poo
             S_in = S[s]
             Sf = S_in.flatten(0, 1)  # [n * H, K, V]; matmul operands below flattened the same way
             P = torch.bmm(ch.QK[r].flatten(0, 1), Sf)  # [n * H, 2C, V]: q exp(G) S, then k exp(G) S
-            X, o = P[:, C:], P[:, :C]  # both computed on in place below
-            torch.sub(vc[lo:hi].transpose(1, 2), X.view(hi - lo, H, C, V), out=X.view(hi - lo, H, C, V))  # v - k S
-            Vp = torch.bmm(ch.Tb[r].flatten(0, 1), X)  # pseudo-values (the reference's U - W S)
-            o.baddbmm_(ch.A[r].flatten(0, 1), Vp)
+            X = P[:, C:].view(hi - lo, H, C, V)
+            torch.sub(vc[lo:hi].transpose(1, 2), X, out=X)  # v - k S, in place
+            Vp = torch.bmm(ch.Tb[r].flatten(0, 1), X.flatten(0, 1))  # pseudo-values (the reference's U - W S)
+            # Out of place: an in-place baddbmm_ on the strided q rows of P runs one addmm per head.
+            o = torch.baddbmm(P[:, :C], ch.A[r].flatten(0, 1), Vp)
             torch.mul(o.view(hi - lo, H, C, V).transpose(1, 2), nqc[lo:hi].unsqueeze(-1), out=oc[lo:hi])
             if plan is not None:
                 _checkpoints(cps, plan, lo, hi, lo - g0, gc[g0:g1], kc[g0:g1], Vp.view(hi - lo, H, C, V), S_in)
