@@ -2,7 +2,8 @@
 
 No GPU is lent to CI, so these tests stand in for the placement half of tests/engine/test_gpu.py: every tensor the
 engine, the sampler and `bench offline` touch must be on the device a CUDA build demands, and the outputs must be
-those of the CPU run (the emulated device computes on the CPU, so they are equal bit for bit, sampled rows too).
+those of the CPU run (the emulated device computes on the CPU with the reference kernels, so with the CPU run on them
+too they are equal bit for bit, sampled rows too).
 They also count the device-to-host copies of a decode step, each a stream sync on a real GPU.
 """
 
@@ -21,6 +22,21 @@ pytestmark = [
 ]
 
 PROMPTS = [[5, 9, 33, 7], list(range(40, 90)), [3] * 20]
+
+CPU_ONLY_BACKENDS = ("kda_prefill", "short_conv_prefill", "short_conv_decode", "mla_prefill", "mla_decode", "linear")
+"""Ops whose fast backend takes CPU tensors only: the emulated device runs their reference, so the CPU runs it is
+compared with must too (the fast CPU kernels round differently; they have parity tests of their own)."""
+
+
+@pytest.fixture(autouse=True)
+def cpu_runs_the_reference_kernels(monkeypatch: pytest.MonkeyPatch):
+    from deltaserve.ops import dispatch
+
+    monkeypatch.setenv("DELTASERVE_OPS_BACKEND", ",".join(f"{name}=ref" for name in CPU_ONLY_BACKENDS))
+    dispatch.reset()
+    yield
+    monkeypatch.delenv("DELTASERVE_OPS_BACKEND")
+    dispatch.reset()
 
 
 def test_emulator_rejects_what_cuda_rejects():
