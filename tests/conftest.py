@@ -65,3 +65,16 @@ def _restore_torch_process_settings():
     yield
     torch.set_num_threads(threads)
     torch.set_flush_denormal(False)  # a CPU worker flushes subnormals; the op tests check exact subnormal values
+
+
+@pytest.fixture
+def default_dispatch(monkeypatch: pytest.MonkeyPatch):
+    """Op dispatch as configured by default (no DELTASERVE_OPS_BACKEND), re-read before and after the test; yields
+    the monkeypatch, to force backends with `setenv` followed by `dispatch.reset()`."""
+    from deltaserve.ops import dispatch
+
+    monkeypatch.delenv("DELTASERVE_OPS_BACKEND", raising=False)
+    dispatch.reset()
+    yield monkeypatch
+    monkeypatch.delenv("DELTASERVE_OPS_BACKEND", raising=False)
+    dispatch.reset()

@@ -15,17 +15,8 @@ from deltaserve.ops.linear import onednn
 from deltaserve.utils.cpu_threads import available_cores, default_num_threads
 
 
-@pytest.fixture
-def clean_dispatch(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("DELTASERVE_OPS_BACKEND", raising=False)
-    dispatch.reset()
-    yield monkeypatch
-    monkeypatch.delenv("DELTASERVE_OPS_BACKEND", raising=False)
-    dispatch.reset()
-
-
 @pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear")
-def test_bf16_worker_packs_its_weights_and_flushes_subnormals(tiny_dir, clean_dispatch):
+def test_bf16_worker_packs_its_weights_and_flushes_subnormals(tiny_dir, default_dispatch):
     worker = Worker(EngineConfig(model=str(tiny_dir("base")), dtype="bfloat16", num_threads=1))
     layer = worker.model.layers[1]
     assert layer.self_attn.in_proj.weight.is_mkldnn and worker.model.lm_head.is_mkldnn
@@ -34,14 +25,14 @@ def test_bf16_worker_packs_its_weights_and_flushes_subnormals(tiny_dir, clean_di
     assert (tiny * 1.0).item() == 0.0
 
 
-def test_forced_reference_keeps_weights_plain(tiny_dir, clean_dispatch):
-    clean_dispatch.setenv("DELTASERVE_OPS_BACKEND", "ref")
+def test_forced_reference_keeps_weights_plain(tiny_dir, default_dispatch):
+    default_dispatch.setenv("DELTASERVE_OPS_BACKEND", "ref")
     dispatch.reset()
     worker = Worker(EngineConfig(model=str(tiny_dir("base")), dtype="bfloat16", num_threads=1))
     assert not worker.model.layers[1].self_attn.in_proj.weight.is_mkldnn
 
 
-def test_cpu_worker_runs_the_fast_kernels(tiny_dir, clean_dispatch):
+def test_cpu_worker_runs_the_fast_kernels(tiny_dir, default_dispatch):
     """On a CPU every hot op of a step has a fast backend before the reference (the engine parity tests in
     tests/engine and tests/models therefore check these kernels against transformers)."""
     table = dispatch.log_backends()

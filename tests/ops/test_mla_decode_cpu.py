@@ -4,8 +4,6 @@ dispatch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -22,13 +20,7 @@ SCALE = 96**-0.5
 MIXED = [1, 15, 16, 17, 300, 2000]
 
 
-@pytest.fixture(autouse=True)
-def no_forcing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Dispatch as configured by default (no DELTASERVE_OPS_BACKEND), restored afterwards."""
-    monkeypatch.delenv("DELTASERVE_OPS_BACKEND", raising=False)
-    dispatch.reset()
-    yield
-    dispatch.reset()
+pytestmark = pytest.mark.usefixtures("default_dispatch")
 
 
 def decode_problem(lengths: list[int], dtype: torch.dtype, seed: int, block_size: int = 16) -> tuple[torch.Tensor, ...]:

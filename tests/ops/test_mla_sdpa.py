@@ -3,8 +3,6 @@ pieces of the paged context) with the reference, and its dispatch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -34,13 +32,7 @@ FIRST = [0, 4, 0, 16, 7, 63, 9, 12]
 BLOCK_SIZES = [pytest.param(4, id="block4"), pytest.param(16, id="block16")]
 
 
-@pytest.fixture(autouse=True)
-def no_forcing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Dispatch as configured by default (no DELTASERVE_OPS_BACKEND), restored afterwards."""
-    monkeypatch.delenv("DELTASERVE_OPS_BACKEND", raising=False)
-    dispatch.reset()
-    yield
-    dispatch.reset()
+pytestmark = pytest.mark.usefixtures("default_dispatch")
 
 
 def chunk_problem(

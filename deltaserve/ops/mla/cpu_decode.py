@@ -18,10 +18,11 @@ import torch
 from torch import Tensor
 
 from deltaserve.ops.mla.ref import _context_steps
-from deltaserve.ops.mla.sdpa import _merge
 
-DTYPES = (torch.float32, torch.bfloat16)
-"""What this backend takes (fp64 runs the reference: the fp64 oracle)."""
+# This backend takes the same calls as the prefill backend (CPU tensors, fp32 / bf16 queries; fp64 runs the
+# reference, the oracle).
+from deltaserve.ops.mla.sdpa import _merge
+from deltaserve.ops.mla.sdpa import supports as supports
 
 # Elements of the cache rows gathered for one kernel call, [N, rows, R+Dr]: the bound on this op's temporaries.
 # 4 Mi elements (8 MiB in bf16): 32 sequences of 288-wide rows get 448 rows a call, one sequence 14,560.
@@ -30,11 +31,6 @@ _ROWS_ELEMS = 1 << 22
 # 64 mixed contexts of 1 to 2,000): 64 to 256 within noise of each other; a call per distinct length up to 1.6x
 # slower, one call padded to the longest context up to 6x slower.
 _SLACK_ROWS = 128
-
-
-def supports(q: Tensor, kv_cache: Tensor, *args: object, **kwargs: object) -> bool:
-    """Whether an `mla_decode` call can take this path: CPU tensors, queries in fp32 or bf16."""
-    return q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype in DTYPES
 
 
 def mla_decode_cpu(
