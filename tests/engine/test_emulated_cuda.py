@@ -23,7 +23,8 @@ pytestmark = [
 
 PROMPTS = [[5, 9, 33, 7], list(range(40, 90)), [3] * 20]
 
-CPU_ONLY_BACKENDS = ("kda_prefill", "short_conv_prefill", "short_conv_decode", "mla_prefill", "mla_decode", "linear")
+CPU_ONLY_BACKENDS = ("kda_prefill", "kda_decode", "short_conv_prefill", "short_conv_decode", "mla_prefill",
+                     "mla_decode", "linear")
 """Ops whose fast backend takes CPU tensors only: the emulated device runs their reference, so the CPU runs it is
 compared with must too (the fast CPU kernels round differently; they have parity tests of their own)."""
 
