@@ -13,7 +13,6 @@ from deltaserve.executor.base import WorkerInfo
 from deltaserve.layers.linear import prepack_weights
 from deltaserve.models.loader import load_model
 from deltaserve.ops import dispatch
-from deltaserve.ops.dispatch import log_backends
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 from deltaserve.utils.cpu_threads import default_num_threads
@@ -48,7 +47,7 @@ class Worker:
         if config.num_threads is not None or on_cpu:
             torch.set_num_threads(config.num_threads or default_num_threads())
         self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
-        backends = log_backends()  # which kernels serve each op here, once
+        backends = dispatch.log_backends()  # which kernels serve each op here, once
         if on_cpu and backends["linear"][0] != dispatch.REF and isinstance(self.model, torch.nn.Module):
             packed = prepack_weights(self.model)
             logger.info("packed %d weight tensors for the oneDNN linear", packed)

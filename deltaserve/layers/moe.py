@@ -78,9 +78,6 @@ class MoE(nn.Module):
             torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
         self.w2: nn.Parameter | nn.ParameterList = nn.Parameter(
             torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
-        self.expert_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
-        """What `moe_experts` multiplies each expert's rows with: `F.linear` on the stacks as loaded (the grouped-GEMM
-        path takes those), the packed `ops.linear` once `prepack` has split them into per-expert packed weights."""
         self.shared_experts = (
             GatedMLP(hidden_size, i * cfg.num_shared_experts, dtype) if cfg.num_shared_experts else None
         )
@@ -110,12 +107,14 @@ class MoE(nn.Module):
         del self.w13, self.w2  # registered as parameters: a module attribute cannot change kind in place
         self.w13, self.w2 = (nn.ParameterList(nn.Parameter(pack(w), requires_grad=False) for w in stack)
                              for stack in (w13, w2))
-        self.expert_linear = linear
         return 2 * self.cfg.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_tokens(x, self.gate_weight, self.correction_bias, self.cfg)
-        y = moe_experts(x, self.w13, self.w2, weights, ids, linear=self.expert_linear)
+        # The stacks as loaded take `F.linear` (the grouped-GEMM path accepts those); per-expert packed weights after
+        # `prepack` take the packed `ops.linear`.
+        packed = isinstance(self.w13, nn.ParameterList)
+        y = moe_experts(x, self.w13, self.w2, weights, ids, linear=linear if packed else F.linear)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
