@@ -12,20 +12,21 @@ BASE = {"config", "sampling_params", "outputs", "request", "envs", "utils", "tex
 ALLOWED: dict[str, set[str]] = {
     **{name: BASE for name in BASE},
     "ops": {"envs", "utils"},
+    "distributed": BASE,
     "cache": BASE,
     "scheduler": BASE | {"cache"},
-    "layers": BASE | {"ops"},
-    "models": BASE | {"ops", "layers", "cache"},
+    "layers": BASE | {"ops", "distributed"},
+    "models": BASE | {"ops", "layers", "cache", "distributed"},
     "structured": BASE,
-    "runner": BASE | {"ops", "layers", "models", "cache", "scheduler", "structured"},
-    "spec_decode": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner"},
+    "runner": BASE | {"ops", "layers", "models", "cache", "scheduler", "structured", "distributed"},
+    "spec_decode": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "distributed"},
     "disagg": BASE | {"cache", "scheduler", "runner"},
-    "executor": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner"},
+    "executor": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "distributed"},
     "engine": BASE | {"cache", "scheduler", "spec_decode", "disagg", "structured", "executor"},
     "entrypoints": BASE | {"engine", "structured"},
     # models: to write a tiny checkpoint when none is given; layers, cache: the roofline reads the loaded model's
     # expert modules and cache specs; scheduler: the step observer's SchedulerOutput type.
-    "bench": BASE | {"engine", "entrypoints", "models", "layers", "cache", "scheduler", "executor"},
+    "bench": BASE | {"engine", "entrypoints", "models", "layers", "cache", "scheduler", "executor", "distributed"},
 }
 # Composition roots may import anything: the package facade and the command line.
 ROOTS = {"deltaserve/__init__.py", "deltaserve/entrypoints/cli.py"}

@@ -94,22 +94,72 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
-    """How the model's workers run (one rank today; tensor, expert and data parallelism extend this)."""
+    """How the model is split over worker ranks (tensor / expert parallelism inside one engine replica) and how many
+    replicas serve (data parallelism). vLLM's names."""
 
-    distributed_executor_backend: str = "uni"
-    """Where the model worker runs: 'uni' (in the engine process, the default) or 'mp' (a worker process per rank,
-    the scheduler output sent to it each step)."""
+    tensor_parallel_size: int = 1
+    """Worker ranks one replica's model is sharded over (attention heads, MLP and expert widths, vocabulary)."""
+    data_parallel_size: int = 1
+    """Engine replicas (each with `tensor_parallel_size` ranks) behind one API server and its router."""
+    enable_expert_parallel: bool = False
+    """Partition the routed experts over the tensor-parallel ranks (each rank holds whole experts) instead of
+    sharding every expert's width."""
+    distributed_executor_backend: str | None = None
+    """Where the worker ranks run: 'uni' (in the engine process; one rank only), 'mp' (a process per rank on this
+    machine) or 'ray' (a Ray actor per rank in a placement group). Default: 'uni' for one rank, 'mp' otherwise."""
+    ray_address: str | None = None
+    """Ray cluster to join with the 'ray' backend ('auto', 'HOST:PORT' or 'ray://HOST:PORT'); none: $RAY_ADDRESS,
+    else a local Ray instance started for this engine."""
+    enable_eplb: bool = False
+    """Expert-parallel load balancing: count the tokens routed to each expert and place redundant copies of the hot
+    ones (needs enable_expert_parallel)."""
+    num_redundant_experts: int = 0
+    """Extra expert copies over all ranks with enable_eplb (their number plus the experts' is a multiple of the
+    ranks)."""
+    eplb_step_interval: int = 3000
+    """Engine steps between two rebalancings with enable_eplb."""
+    load_balance_method: str = "session_affinity"
+    """How the data-parallel router picks a replica: 'session_affinity' (a request whose session id or prompt
+    prefix a replica has served goes back to it, others to the least loaded) or 'least_loaded'."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.distributed_executor_backend not in ("uni", "mp"):
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not supported "
-                             "(supported: 'uni', 'mp')")
+        for name in ("tensor_parallel_size", "data_parallel_size", "eplb_step_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in ("uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={backend!r} is not supported "
+                             "(supported: 'uni', 'mp', 'ray')")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: use 'mp' or 'ray'")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb needs enable_expert_parallel")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("num_redundant_experts needs enable_eplb")
+        if self.load_balance_method not in ("session_affinity", "least_loaded"):
+            raise ValueError(f"load_balance_method={self.load_balance_method!r} is not supported "
+                             "(supported: 'session_affinity', 'least_loaded')")
 
     @property
     def world_size(self) -> int:
-        """Worker ranks (one until tensor parallelism lands)."""
-        return 1
+        """Worker ranks of one replica (the tensor-parallel size; expert parallelism uses the same ranks)."""
+        return self.tensor_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """`distributed_executor_backend`, its default resolved: 'uni' for one rank, 'mp' for several."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the routed experts are partitioned over (1: every rank holds a slice of every expert)."""
+        return self.tensor_parallel_size if self.enable_expert_parallel else 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,9 +9,14 @@ __all__ = ["Executor", "WorkerDiedError", "WorkerInfo", "make_executor"]
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """The executor named by `config.parallel.distributed_executor_backend` ('uni' or 'mp'), its workers started
-    and the model loaded. Imported lazily: the multiprocess executor never needs torch in this process."""
-    if config.parallel.distributed_executor_backend == "mp":
+    """The executor named by `config.parallel.executor_backend` ('uni', 'mp' or 'ray'), its workers started and the
+    model loaded. Imported lazily: the multiprocess and Ray executors never need torch in this process."""
+    backend = config.parallel.executor_backend
+    if backend == "ray":
+        from deltaserve.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    if backend == "mp":
         from deltaserve.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)

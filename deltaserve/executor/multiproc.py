@@ -14,6 +14,7 @@ import multiprocessing
 import multiprocessing.connection
 import pickle
 import signal
+import socket
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -50,10 +51,11 @@ class MultiprocExecutor:
         self._broken: str | None = None
         """Why the workers can no longer be used (a worker died); `shutdown` still stops the others."""
         log_level = logging.getLogger("deltaserve").getEffectiveLevel()
+        init_method = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else None
         with _allow_children():
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=run_worker, args=(config, rank, child, log_level),
+                proc = ctx.Process(target=run_worker, args=(config, rank, child, log_level, init_method),
                                    name=f"deltaserve-worker-{rank}", daemon=True)
                 proc.start()
                 child.close()  # only the worker holds its end: its exit closes the pipe
@@ -147,7 +149,16 @@ class MultiprocExecutor:
         return WorkerDiedError(self._broken)
 
 
-def run_worker(config: EngineConfig, rank: int, conn: multiprocessing.connection.Connection, log_level: int) -> None:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the ranks' rendezvous; another process could take it first, as with vLLM's
+    choice, in which case rank 0 fails to bind and start-up fails with that error)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def run_worker(config: EngineConfig, rank: int, conn: multiprocessing.connection.Connection, log_level: int,
+               distributed_init_method: str | None = None) -> None:
     """Entry point of a worker process: build the `Worker`, answer calls until shutdown or until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the engine decides
     if not logging.getLogger().handlers:
@@ -155,7 +166,7 @@ def run_worker(config: EngineConfig, rank: int, conn: multiprocessing.connection
     try:
         from deltaserve.executor.worker import Worker  # torch and the model stack: import errors are reported too
 
-        worker = Worker(config, rank)
+        worker = Worker(config, rank, distributed_init_method)
         _reply(conn, "ok", worker.describe())
     except Exception as e:
         logger.exception("worker %d start-up failed", rank)

@@ -9,6 +9,7 @@ import torch
 
 from deltaserve.cache.planner import CacheLayout
 from deltaserve.config import EngineConfig
+from deltaserve.distributed import init_parallel_group
 from deltaserve.executor.base import WorkerInfo
 from deltaserve.layers.linear import prepack_weights
 from deltaserve.models.loader import load_model
@@ -31,7 +32,9 @@ def available_memory_bytes(device: torch.device) -> int:
 class Worker:
     """Loads the model on its device at construction; `initialize_cache` then builds the runner."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        """`rank` of `config.parallel.world_size` ranks; with several, `distributed_init_method` ('tcp://HOST:PORT',
+        chosen by the executor) is where they meet to form their process group."""
         self.config, self.rank = config, rank
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={config.device!r}, but this torch ({torch.__version__}) sees no CUDA device")
@@ -44,9 +47,15 @@ class Worker:
             torch.set_flush_denormal(True)
             if not keep_freed_memory():  # steps reuse their temporaries (utils/malloc.py)
                 logger.info("not glibc: malloc left as it is")
+        world = config.parallel.world_size
         if config.num_threads is not None or on_cpu:
-            torch.set_num_threads(config.num_threads or default_num_threads())
-        self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
+            # The engine's threads are shared by its ranks (they run at the same time, on the same cores here).
+            torch.set_num_threads(max(1, (config.num_threads or default_num_threads()) // world))
+        if world > 1 and distributed_init_method is None:
+            raise ValueError(f"{world} ranks need a distributed_init_method")
+        self.group = init_parallel_group(rank, world, distributed_init_method or "", config.device)
+        self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device,
+                                tp=self.group, expert_parallel=config.parallel.enable_expert_parallel)
         backends = dispatch.log_backends()  # which kernels serve each op here, once
         if on_cpu and backends["linear"][0] != dispatch.REF and isinstance(self.model, torch.nn.Module):
             packed = prepack_weights(self.model)

@@ -16,6 +16,7 @@ from torch import nn
 from deltaserve import envs
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
+from deltaserve.distributed import SINGLE, ParallelGroup
 from deltaserve.layers.attn_res import AttnResWeights, BlockAttnRes
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
@@ -95,11 +96,12 @@ class KimiK3ForConditionalGeneration(nn.Module):
     `compute_logits`, `cache_specs`, `checkpoint_tensors`, `canonical_name`."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 mxfp8_activations: bool | None = None) -> None:
+                 mxfp8_activations: bool | None = None, *, tp: ParallelGroup = SINGLE,
+                 expert_parallel: bool = False) -> None:
         """`mxfp8_activations`: round MXFP4 expert GEMM inputs through MXFP8; None reads
-        `DELTASERVE_MXFP8_ACTIVATIONS`."""
+        `DELTASERVE_MXFP8_ACTIVATIONS`. `tp`, `expert_parallel`: as `KimiLinearForCausalLM`."""
         super().__init__()
-        self.config, self.dtype = config, dtype
+        self.config, self.dtype, self.tp = config, dtype, tp
         mxfp8 = envs.mxfp8_activations() if mxfp8_activations is None else mxfp8_activations
         d = config.hidden_size
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)

@@ -12,6 +12,7 @@ from torch import nn
 
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
+from deltaserve.distributed import SINGLE, ParallelGroup
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
 from deltaserve.layers.linear import NormWeight, pack_parameter
@@ -80,9 +81,12 @@ class DecoderLayer(nn.Module):
 class KimiLinearForCausalLM(nn.Module):
     """The whole text model. `forward` runs one flattened step; `compute_logits` the LM head on chosen rows."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, *, tp: ParallelGroup = SINGLE,
+                 expert_parallel: bool = False) -> None:
+        """`tp`: this rank's share of the heads, widths and vocabulary (one rank: the whole model);
+        `expert_parallel`: routed experts partitioned whole over the ranks instead of each one sharded."""
         super().__init__()
-        self.config, self.dtype = config, dtype
+        self.config, self.dtype, self.tp = config, dtype, tp
         d = config.hidden_size
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))

@@ -7,11 +7,13 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from deltaserve.config import ModelConfig
+from deltaserve.distributed import SINGLE, ParallelGroup, Shard
 from deltaserve.models.protocol import Model
 from deltaserve.models.registry import model_class
 
@@ -45,8 +47,9 @@ def checkpoint_shards(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {path}")
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one shard at a time, logging progress per shard."""
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yield (name, the tensor's lazy slice reader) one shard at a time, logging progress per shard. Index the reader
+    (``reader[:]``, ``reader[a:b]``) to read the tensor or part of it from the file."""
     shards = checkpoint_shards(path)
     start = time.perf_counter()
     for n, shard in enumerate(shards, 1):
@@ -54,15 +57,16 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         logger.info("loading shard %d/%d %s (%.1f MiB)", n, len(shards), shard.name, size_mb)
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
     logger.info("loaded %d shard(s) in %.1f s", len(shards), time.perf_counter() - start)
 
 
 def load_weights(model: Model, path: Path) -> None:
-    """Copy every checkpoint tensor into the model; each target must be filled exactly once."""
+    """Copy every checkpoint tensor into the model; each target must be filled exactly once. A `Shard` target reads
+    only its slice of the checkpoint tensor (a tensor-parallel rank reads only what it holds)."""
     targets = model.checkpoint_tensors()
     seen: set[str] = set()
-    for raw_name, tensor in iter_checkpoint(path):
+    for raw_name, reader in iter_checkpoint(path):
         name = model.canonical_name(raw_name)  # None: a tensor the model skips (e.g. K3's vision tower)
         if name is None:
             continue
@@ -71,15 +75,16 @@ def load_weights(model: Model, path: Path) -> None:
             raise WeightLoadError(f"unexpected tensor {raw_name!r} in checkpoint {path}")
         if name in seen:
             raise WeightLoadError(f"tensor {raw_name!r} appears twice in checkpoint {path} (also as an alias)")
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise WeightLoadError(
-                f"tensor {raw_name!r} has shape {list(tensor.shape)}, expected {list(target.shape)}"
-            )
-        if tensor.dtype.is_floating_point != target.dtype.is_floating_point:
+        shape = target.full_shape() if isinstance(target, Shard) else tuple(target.shape)
+        if tuple(reader.get_shape()) != shape:
+            raise WeightLoadError(f"tensor {raw_name!r} has shape {list(reader.get_shape())}, expected {list(shape)}")
+        dest = target.target if isinstance(target, Shard) else target
+        if _is_float(reader.get_dtype()) != dest.dtype.is_floating_point:
             # Packed MXFP4 codes and E8M0 scales are uint8: a float there (or the reverse) is a different format.
-            raise WeightLoadError(f"tensor {raw_name!r} has dtype {tensor.dtype}, expected {target.dtype}")
+            raise WeightLoadError(f"tensor {raw_name!r} has dtype {reader.get_dtype()}, expected {dest.dtype}")
+        tensor = reader[target.index()] if isinstance(target, Shard) else reader[:]
         with torch.no_grad():
-            target.copy_(tensor)
+            dest.copy_(tensor)
         seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
@@ -87,11 +92,18 @@ def load_weights(model: Model, path: Path) -> None:
         raise WeightLoadError(f"checkpoint {path} is missing tensor(s) {missing[:10]}{more}")
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Model:
-    """Config -> model class -> weights, in `dtype` (gate/router/decay parameters stay fp32)."""
+def _is_float(safetensors_dtype: str) -> bool:
+    """Whether a safetensors dtype name ('F32', 'BF16', 'U8', 'F8_E4M3', ...) is a floating-point format."""
+    return safetensors_dtype.startswith(("F", "BF"))
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", *,
+               tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> Model:
+    """Config -> model class -> weights, in `dtype` (gate/router/decay parameters stay fp32). With `tp` of several
+    ranks, this rank's shard of the model (`expert_parallel`: whole routed experts partitioned over the ranks)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     with torch.device(device):
-        model = model_class(config)(config, dtype=dtype)
+        model = model_class(config)(config, dtype=dtype, tp=tp, expert_parallel=expert_parallel)
     load_weights(model, path)
     return model.eval()
