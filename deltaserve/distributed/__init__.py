@@ -2,6 +2,6 @@
 tensor is split over it (`shard.py`). torch.distributed underneath: gloo on a CPU, NCCL on CUDA."""
 
 from deltaserve.distributed.group import SINGLE, ParallelGroup, init_parallel_group
-from deltaserve.distributed.shard import Shard, shard_range
+from deltaserve.distributed.shard import Shard, shard_range, split_along
 
-__all__ = ["SINGLE", "ParallelGroup", "Shard", "init_parallel_group", "shard_range"]
+__all__ = ["SINGLE", "ParallelGroup", "Shard", "init_parallel_group", "shard_range", "split_along"]

@@ -36,3 +36,11 @@ def shard_range(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
         raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={size}")
     length = n // size
     return rank * length, length
+
+
+def split_along(target: torch.Tensor, dim: int, full: int, rank: int, size: int) -> torch.Tensor | Shard:
+    """The checkpoint target of rank `rank`'s equal part (`target`, already of the local size) of a tensor whose size
+    along `dim` is `full`: `target` itself for one rank."""
+    if size == 1:
+        return target
+    return Shard(target, dim, rank * target.shape[dim], full)

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ActivationConfig, MoEConfig, QuantizationConfig
+from deltaserve.distributed import SINGLE, ParallelGroup, Shard, split_along
 from deltaserve.layers.linear import Linear, NormWeight
-from deltaserve.layers.moe import GatedMLP, gated_activation, route_tokens
+from deltaserve.layers.moe import ExpertPlacement, GatedMLP, gated_activation, route_tokens
 from deltaserve.layers.mxfp4_linear import MXFP4Linear
 from deltaserve.ops.moe import moe_experts
 from deltaserve.ops.mxfp4 import BLOCK_SIZE, MXFP4Tensor, mxfp4_linear
@@ -28,14 +29,24 @@ class LatentMoE(nn.Module):
     """
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, act: ActivationConfig, rms_norm_eps: float,
-                 dtype: torch.dtype, quantization: QuantizationConfig | None, mxfp8_activations: bool = False) -> None:
+                 dtype: torch.dtype, quantization: QuantizationConfig | None, mxfp8_activations: bool = False, *,
+                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
         """`quantization` None: dense routed experts in `dtype`; else MXFP4 in its `layout`. `mxfp8_activations`
-        rounds the expert GEMM inputs through MXFP8 (MXFP4 experts only)."""
+        rounds the expert GEMM inputs through MXFP8 (MXFP4 experts only). `tp`, `expert_parallel`: the routed
+        experts are sharded or partitioned (`ExpertPlacement`; an MXFP4 shard keeps whole 32-value scale blocks) and
+        their latent partial sums added over the ranks before the norm; the shared experts are sharded; the router
+        and the latent down and up projections are whole on every rank."""
         super().__init__()
         if cfg.latent_size is None:
             raise ValueError("LatentMoE needs MoEConfig.latent_size (routed_expert_hidden_size)")
-        e, i, lat = cfg.num_experts, cfg.intermediate_size, cfg.latent_size
-        self.cfg, self.eps, self.quantization = cfg, rms_norm_eps, quantization
+        e, lat = cfg.num_experts, cfg.latent_size
+        self.cfg, self.eps, self.quantization, self.tp = cfg, rms_norm_eps, quantization, tp
+        self.placement = place = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel)
+        n, i = place.num_local, place.intermediate_size
+        if quantization is not None and i % BLOCK_SIZE:
+            raise ValueError(f"moe_intermediate_size={cfg.intermediate_size} split over tensor_parallel_size="
+                             f"{tp.size} is {i} per rank, not a multiple of the MXFP4 block ({BLOCK_SIZE}): "
+                             "use expert parallelism or fewer ranks")
         self.latent_size = lat  # cfg.latent_size, checked not None above
         # Router weight and selection bias stay fp32 (model-spec §5).
         self.gate_weight = nn.Parameter(torch.empty(e, hidden_size, dtype=torch.float32), requires_grad=False)
@@ -46,21 +57,22 @@ class LatentMoE(nn.Module):
         self.w13: MXFP4Linear | nn.Parameter
         self.w2: MXFP4Linear | nn.Parameter
         if quantization is None:
-            self.w13 = nn.Parameter(torch.empty(e, 2 * i, lat, dtype=dtype), requires_grad=False)  # interleaved
-            self.w2 = nn.Parameter(torch.empty(e, lat, i, dtype=dtype), requires_grad=False)
+            self.w13 = nn.Parameter(torch.empty(n, 2 * i, lat, dtype=dtype), requires_grad=False)  # interleaved
+            self.w2 = nn.Parameter(torch.empty(n, lat, i, dtype=dtype), requires_grad=False)
             self._linear = F.linear
         else:
-            self.w13 = MXFP4Linear(lat, 2 * i, num_experts=e)
-            self.w2 = MXFP4Linear(i, lat, num_experts=e)
+            self.w13 = MXFP4Linear(lat, 2 * i, num_experts=n)
+            self.w2 = MXFP4Linear(i, lat, num_experts=n)
             self._linear = partial(mxfp4_linear, mxfp8_activations=mxfp8_activations)
         self._act = gated_activation(act, interleaved=True)
         self.shared_experts = (
-            GatedMLP(hidden_size, i * cfg.num_shared_experts, dtype, act=gated_activation(act))
+            GatedMLP(hidden_size, cfg.intermediate_size * cfg.num_shared_experts, dtype, act=gated_activation(act),
+                     tp=tp)
             if cfg.num_shared_experts else None
         )
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named: dict[str, torch.Tensor] = {
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard | None]:
+        named: dict[str, torch.Tensor | Shard | None] = {
             "gate.weight": self.gate_weight,
             "gate.e_score_correction_bias": self.correction_bias,
             "routed_expert_down_proj.weight": self.routed_expert_down_proj.weight,
@@ -85,33 +97,47 @@ class LatentMoE(nn.Module):
         assert isinstance(w13, MXFP4Linear) and isinstance(w2, MXFP4Linear), "routed experts are dense"
         return w13, w2
 
-    def _expert_tensors(self) -> dict[str, torch.Tensor]:
-        """Checkpoint names of the routed experts in the configured layout (model-spec §9.2, §10.2, §10.3)."""
-        pairs: list[tuple[str, torch.Tensor, torch.Tensor]]
+    def _expert_tensors(self) -> dict[str, torch.Tensor | Shard | None]:
+        """Checkpoint names of the routed experts in the configured layout (model-spec §9.2, §10.2, §10.3): this
+        rank's slice of each (`ExpertPlacement`), None for another expert-parallel rank's expert."""
+        place, full_i = self.placement, self.cfg.intermediate_size
+        pairs: list[tuple[str, torch.Tensor, torch.Tensor, int]]  # suffix, w13, w2, values per stored column of w2
         if self.quantization is None:
-            pairs = [("weight", *self._dense_experts())]
+            pairs = [("weight", *self._dense_experts(), 1)]
         else:
             layout = self.quantization.layout
             q13, q2 = self._mxfp4_experts()
             if layout == "gpt-oss":  # stacked, gate/up rows interleaved, blocks of 16 bytes
-                e, i, lat = self.cfg.num_experts, self.cfg.intermediate_size, self.latent_size
-                return {
-                    "experts.gate_up_proj_blocks": q13.weight_packed.view(e, 2 * i, lat // BLOCK_SIZE, 16),
-                    "experts.gate_up_proj_scales": q13.weight_scale,
-                    "experts.down_proj_blocks": q2.weight_packed.view(e, lat, i // BLOCK_SIZE, 16),
-                    "experts.down_proj_scales": q2.weight_scale,
-                }
+                return self._gpt_oss_tensors(q13, q2)
             if layout != "compressed-tensors":
                 raise ValueError(f"unknown MXFP4 layout {layout!r}")
-            pairs = [("weight_packed", q13.weight_packed, q2.weight_packed),
-                     ("weight_scale", q13.weight_scale, q2.weight_scale)]
-        named: dict[str, torch.Tensor] = {}
-        for suffix, w13, w2 in pairs:
+            pairs = [("weight_packed", q13.weight_packed, q2.weight_packed, 2),
+                     ("weight_scale", q13.weight_scale, q2.weight_scale, BLOCK_SIZE)]
+        named: dict[str, torch.Tensor | Shard | None] = {}
+        for suffix, w13, w2, per_column in pairs:
             for e in range(self.cfg.num_experts):
-                named[f"experts.{e}.w1.{suffix}"] = w13[e, 0::2]
-                named[f"experts.{e}.w3.{suffix}"] = w13[e, 1::2]
-                named[f"experts.{e}.w2.{suffix}"] = w2[e]
+                local = e - place.first
+                held = place.is_local(e)
+                named[f"experts.{e}.w1.{suffix}"] = place.split(w13[local, 0::2], 0, full_i) if held else None
+                named[f"experts.{e}.w3.{suffix}"] = place.split(w13[local, 1::2], 0, full_i) if held else None
+                named[f"experts.{e}.w2.{suffix}"] = place.split(w2[local], 1, full_i // per_column) if held else None
         return named
+
+    def _gpt_oss_tensors(self, q13: MXFP4Linear, q2: MXFP4Linear) -> dict[str, torch.Tensor | Shard | None]:
+        """The gpt-oss layout: one stacked tensor per kind, split along the experts (expert parallelism) or along
+        the intermediate width (tensor parallelism: w13's interleaved rows, w2's blocks)."""
+        place, full_e, full_i = self.placement, self.cfg.num_experts, self.cfg.intermediate_size
+        n, i, lat = place.num_local, place.intermediate_size, self.latent_size
+        tensors = {
+            "experts.gate_up_proj_blocks": (q13.weight_packed.view(n, 2 * i, lat // BLOCK_SIZE, 16), 1, 2 * full_i),
+            "experts.gate_up_proj_scales": (q13.weight_scale, 1, 2 * full_i),
+            "experts.down_proj_blocks": (q2.weight_packed.view(n, lat, i // BLOCK_SIZE, 16), 2, full_i // BLOCK_SIZE),
+            "experts.down_proj_scales": (q2.weight_scale, 2, full_i // BLOCK_SIZE),
+        }
+        tp = self.tp
+        if place.expert_parallel:
+            return {name: Shard(t, 0, place.first, full_e) for name, (t, _, _) in tensors.items()}
+        return {name: split_along(t, dim, full, tp.rank, tp.size) for name, (t, dim, full) in tensors.items()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[T, d]`` (after post_attention_layernorm) -> ``[T, d]``."""
@@ -124,7 +150,9 @@ class LatentMoE(nn.Module):
         else:
             q13, q2 = self._mxfp4_experts()
             w13, w2 = q13.weight, q2.weight
-        routed = moe_experts(z, w13, w2, weights, ids, act=self._act, linear=self._linear, fp32_combine=True)
+        routed = moe_experts(z, w13, w2, weights, self.placement.local_ids(ids), act=self._act, linear=self._linear,
+                             fp32_combine=True)
+        routed = self.tp.all_reduce(routed)  # the norm needs the whole latent sum
         if self.routed_expert_norm is not None:
             routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)
         out = self.routed_expert_up_proj(routed)

@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from deltaserve.distributed import SINGLE, ParallelGroup, Shard, shard_range, split_along
 from deltaserve.ops.linear import can_pack, linear, pack
 
 
@@ -42,18 +43,39 @@ def prepack_weights(model: nn.Module) -> int:
 
 class Linear(nn.Module):
     """y = x W^T with W [out_features, in_features]; no bias (no Kimi projection has one). `packable=False` for a
-    weight its owner reads directly (it then stays a plain tensor)."""
+    weight its owner reads directly (it then stays a plain tensor).
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, packable: bool = True) -> None:
+    Tensor parallelism (`tp` of several ranks): `parallel="column"` holds this rank's rows of W (its share of the
+    output features; the output stays split), `parallel="row"` its columns (the input arrives split; the partial
+    products are summed over the ranks unless `reduce=False`, for an owner that sums several first); None: the
+    whole W on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, packable: bool = True, *,
+                 tp: ParallelGroup = SINGLE, parallel: str | None = None, reduce: bool = True) -> None:
         super().__init__()
-        self.packable = packable
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"parallel={parallel!r}: expected None, 'column' or 'row'")
+        self.packable, self.tp, self.parallel, self.reduce = packable, tp, parallel, reduce
+        self.full_shape = (out_features, in_features)
+        if parallel == "column":
+            out_features = shard_range(out_features, tp.rank, tp.size, "output features")[1]
+        elif parallel == "row":
+            in_features = shard_range(in_features, tp.rank, tp.size, "input features")[1]
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard]:
+        """`weight` -> the weight, or this rank's slice of it."""
+        if self.parallel is None:
+            return {"weight": self.weight}
+        dim = 0 if self.parallel == "column" else 1
+        return {"weight": split_along(self.weight, dim, self.full_shape[dim], self.tp.rank, self.tp.size)}
 
     def prepack(self) -> int:
         return pack_parameter(self, "weight") if self.packable else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        y = linear(x, self.weight)
+        return self.tp.all_reduce(y) if self.parallel == "row" and self.reduce else y
 
 
 class NormWeight(nn.Module):
@@ -68,18 +90,28 @@ class FusedLinear(nn.Module):
     """Several bias-free projections of the same input as one GEMM; each loads from its own checkpoint tensor.
 
     `forward` returns the outputs split in the order given. Fusing matters most for decode, where a step is a
-    few tokens and per-GEMM overhead dominates.
+    few tokens and per-GEMM overhead dominates. With `tp` of several ranks, the parts named in `sharded` are
+    column-parallel (this rank's share of their rows), the others whole on every rank.
     """
 
-    def __init__(self, in_features: int, parts: list[tuple[str, int]], dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], dtype: torch.dtype, *,
+                 tp: ParallelGroup = SINGLE, sharded: frozenset[str] = frozenset()) -> None:
         super().__init__()
+        self.tp = tp
         self.names = [name for name, _ in parts]
-        self.sizes = [size for _, size in parts]
+        self.full_sizes = [size for _, size in parts]
+        self.sharded = [name in sharded for name in self.names]
+        self.sizes = [shard_range(size, tp.rank, tp.size, f"{name} rows")[1] if split else size
+                      for (name, size), split in zip(parts, self.sharded, strict=True)]
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features, dtype=dtype), requires_grad=False)
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """`{name}.weight` -> its row slice of the fused weight."""
-        return {f"{name}.weight": part for name, part in zip(self.names, self.weight.split(self.sizes), strict=True)}
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard]:
+        """`{name}.weight` -> its row slice of the fused weight (a `Shard` for a sharded part)."""
+        return {
+            f"{name}.weight": split_along(part, 0, full, self.tp.rank, self.tp.size) if split else part
+            for name, part, full, split in zip(self.names, self.weight.split(self.sizes), self.full_sizes,
+                                               self.sharded, strict=True)
+        }
 
     def prepack(self) -> int:
         return pack_parameter(self, "weight")

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from deltaserve.config import MLAConfig
+from deltaserve.distributed import SINGLE, ParallelGroup, Shard, shard_range
 from deltaserve.layers.forward_batch import ForwardBatch, MLALayerCache
 from deltaserve.layers.linear import FusedLinear, Linear, NormWeight
 from deltaserve.ops.mla import mla_decode, mla_prefill, mla_write_cache
@@ -19,42 +20,55 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     """One MLA mixer (model-spec §4). Caches [c ; kr] (R + Dr values) per token."""
 
-    def __init__(self, cfg: MLAConfig, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: MLAConfig, hidden_size: int, dtype: torch.dtype, *, tp: ParallelGroup = SINGLE) -> None:
+        """`tp`: this rank holds `num_heads / tp.size` heads (their query, `kv_b`, gate and output columns); the
+        latent projection, its norm and so the latent cache are whole on every rank (one latent row serves every
+        head: sharding it would need a gather per layer), and o_proj's partial outputs are summed."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
+        self.num_heads = h = shard_range(cfg.num_heads, tp.rank, tp.size, "num_attention_heads")[1]
         q_out = cfg.num_heads * cfg.qk_head_dim
         # The query projection (or its LoRA down-projection) and the latent projection are one GEMM.
         q_part = ("q_proj", q_out) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank)
-        self.in_proj = FusedLinear(hidden_size, [q_part, ("kv_a_proj_with_mqa", cfg.cache_row_width)], dtype)
+        self.in_proj = FusedLinear(hidden_size, [q_part, ("kv_a_proj_with_mqa", cfg.cache_row_width)], dtype,
+                                   tp=tp, sharded=frozenset({"q_proj"}))
         if cfg.q_lora_rank is not None:
             self.q_a_layernorm = NormWeight(cfg.q_lora_rank, dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, q_out, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_out, dtype, tp=tp, parallel="column")
         self.kv_a_layernorm = NormWeight(cfg.kv_lora_rank, dtype)
         # Read directly (absorbed into the decode query and output, split for the prefill): never packed.
         self.kv_b_proj = Linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype,
-                                packable=False)
+                                packable=False, tp=tp, parallel="column")
         if cfg.use_output_gate:
-            self.g_proj = Linear(hidden_size, cfg.num_heads * cfg.v_head_dim, dtype)
-        self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, hidden_size, dtype)
+            self.g_proj = Linear(hidden_size, cfg.num_heads * cfg.v_head_dim, dtype, tp=tp, parallel="column")
+        self.o_proj = Linear(cfg.num_heads * cfg.v_head_dim, hidden_size, dtype, tp=tp, parallel="row")
+        self.o_width = h * cfg.v_head_dim
         self.scale = cfg.qk_head_dim**-0.5
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named: dict[str, torch.Tensor] = {
-            name: t for name, t in self.named_parameters() if not name.startswith("in_proj.")
-        }
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard]:
+        # In the order the tiny checkpoints draw their random values (changing it changes every test model).
+        named: dict[str, torch.Tensor | Shard] = {}
+        if self.cfg.q_lora_rank is not None:
+            named["q_a_layernorm.weight"] = self.q_a_layernorm.weight
+            named["q_b_proj.weight"] = self.q_b_proj.checkpoint_tensors()["weight"]
+        named["kv_a_layernorm.weight"] = self.kv_a_layernorm.weight
+        named["kv_b_proj.weight"] = self.kv_b_proj.checkpoint_tensors()["weight"]
+        if self.cfg.use_output_gate:
+            named["g_proj.weight"] = self.g_proj.checkpoint_tensors()["weight"]
+        named["o_proj.weight"] = self.o_proj.checkpoint_tensors()["weight"]
         named.update(self.in_proj.checkpoint_tensors())
         return named
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         """x: [T, d] (after input_layernorm) -> [T, d]."""
-        cfg, nd, nr, t = self.cfg, batch.num_decodes, batch.num_decode_rows, x.shape[0]
+        cfg, nd, nr, t, h = self.cfg, batch.num_decodes, batch.num_decode_rows, x.shape[0], self.num_heads
         q, ckv = self.in_proj(x)
         if cfg.q_lora_rank is not None:
             q = self.q_b_proj(rms_norm(q, self.q_a_layernorm.weight, LATENT_NORM_EPS))
-        q = q.reshape(t, cfg.num_heads, cfg.qk_head_dim)
+        q = q.reshape(t, h, cfg.qk_head_dim)
         c = rms_norm(ckv[:, : cfg.kv_lora_rank], self.kv_a_layernorm.weight, LATENT_NORM_EPS)
         mla_write_cache(torch.cat([c, ckv[:, cfg.kv_lora_rank :]], dim=-1), cache.kv, batch.slot_mapping)
-        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]  # [H, Dn, R], [H, Dv, R]
         outs = []
         if nr:  # decode rows, and verify chunks token by token (each a decode query at its own position)
@@ -69,7 +83,7 @@ class MLAttention(nn.Module):
                 mla_prefill(q[nr:], cache.kv, batch.block_tables[first:], batch.prefill_cu_seqlens(),
                             batch.context_lens[first:], w_uk, w_uv, scale=self.scale)
             )
-        o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, cfg.num_heads * cfg.v_head_dim)
+        o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, self.o_width)
         if cfg.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)

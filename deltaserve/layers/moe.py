@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ActivationConfig, MoEConfig
+from deltaserve.distributed import SINGLE, ParallelGroup, Shard, shard_range, split_along
 from deltaserve.layers.linear import pack_parameter
 from deltaserve.ops.activation import silu_and_mul, situ_and_mul
 from deltaserve.ops.linear import can_pack, linear, pack
@@ -18,28 +19,33 @@ from deltaserve.ops.moe import moe_experts, moe_route
 
 class GatedMLP(nn.Module):
     """down(act(gate x, up x)); `act` is SiLU-GLU by default (SiTU for K3). gate and up are loaded into one [2I, d]
-    matrix (one GEMM)."""
+    matrix (one GEMM). With `tp` of several ranks each holds `I / tp.size` of the intermediate width (its gate and
+    up rows, its down columns) and the partial outputs are summed over the ranks unless `reduce=False` (an owner that
+    sums several partials at once)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
+                 act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul, *, tp: ParallelGroup = SINGLE,
+                 reduce: bool = True) -> None:
         super().__init__()
-        self.intermediate_size, self.act = intermediate_size, act
-        self.gate_up = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(hidden_size, intermediate_size, dtype=dtype), requires_grad=False)
+        self.full_intermediate_size, self.act, self.tp, self.reduce = intermediate_size, act, tp, reduce
+        self.intermediate_size = i = shard_range(intermediate_size, tp.rank, tp.size, "intermediate_size")[1]
+        self.gate_up = nn.Parameter(torch.empty(2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(hidden_size, i, dtype=dtype), requires_grad=False)
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        i = self.intermediate_size
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard]:
+        i, full, tp = self.intermediate_size, self.full_intermediate_size, self.tp
         return {
-            "gate_proj.weight": self.gate_up[:i],
-            "up_proj.weight": self.gate_up[i:],
-            "down_proj.weight": self.down,
+            "gate_proj.weight": split_along(self.gate_up[:i], 0, full, tp.rank, tp.size),
+            "up_proj.weight": split_along(self.gate_up[i:], 0, full, tp.rank, tp.size),
+            "down_proj.weight": split_along(self.down, 1, full, tp.rank, tp.size),
         }
 
     def prepack(self) -> int:
         return pack_parameter(self, "gate_up") + pack_parameter(self, "down")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.act(linear(x, self.gate_up)), self.down)
+        y = linear(self.act(linear(x, self.gate_up)), self.down)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
 def gated_activation(cfg: ActivationConfig, interleaved: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -64,35 +70,85 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: to
     )
 
 
-class MoE(nn.Module):
-    """Sigmoid router with correction bias (fp32), grouped top-k, experts grouped by expert, plus shared experts."""
+class ExpertPlacement:
+    """Which routed experts this rank computes, and of each what width.
 
-    def __init__(self, cfg: MoEConfig, hidden_size: int, dtype: torch.dtype) -> None:
+    Tensor parallelism (`expert_parallel=False`): every rank holds all `E` experts, `I / tp.size` of each one's
+    intermediate width. Expert parallelism: rank r holds `E / tp.size` whole experts (`[r * E/n, (r+1) * E/n)`);
+    the tokens are on every rank already (attention is tensor-parallel), so dispatch is choosing the (token, expert)
+    pairs of local experts (`local_ids`) and combine is the sum over ranks the layer does anyway."""
+
+    def __init__(self, num_experts: int, intermediate_size: int, tp: ParallelGroup, expert_parallel: bool,
+                 device: torch.device | None = None) -> None:
+        self.tp, self.num_experts, self.full_intermediate_size = tp, num_experts, intermediate_size
+        self.expert_parallel = expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            self.first, self.num_local = shard_range(num_experts, tp.rank, tp.size, "n_routed_experts")
+            self.intermediate_size = intermediate_size
+        else:
+            self.first, self.num_local = 0, num_experts
+            self.intermediate_size = shard_range(intermediate_size, tp.rank, tp.size, "moe_intermediate_size")[1]
+        # Global expert id -> local index, -1 for another rank's expert (the experts op skips those pairs).
+        expert_map = torch.full((num_experts,), -1, dtype=torch.long, device=device)
+        expert_map[self.first:self.first + self.num_local] = torch.arange(self.num_local, device=device)
+        self.expert_map = expert_map
+
+    def is_local(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.num_local
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Routed ids [T, k] -> local expert indices, -1 where another rank holds the expert."""
+        return self.expert_map[ids] if self.expert_parallel else ids
+
+    def split(self, target: torch.Tensor, dim: int, full: int) -> torch.Tensor | Shard:
+        """Checkpoint target of one expert's tensor whose intermediate width lies along `dim` (`full` long in the
+        checkpoint): a tensor-parallel rank's slice, or the whole tensor under expert parallelism."""
+        if self.expert_parallel:
+            return target
+        return split_along(target, dim, full, self.tp.rank, self.tp.size)
+
+
+class MoE(nn.Module):
+    """Sigmoid router with correction bias (fp32), grouped top-k, experts grouped by expert, plus shared experts.
+
+    With `tp` of several ranks the router runs whole on every rank; the routed experts are sharded or partitioned
+    (`ExpertPlacement`), the shared experts sharded, and the routed and shared partial outputs are summed over the
+    ranks in one all-reduce."""
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int, dtype: torch.dtype, *, tp: ParallelGroup = SINGLE,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
-        self.cfg = cfg
-        e, i = cfg.num_experts, cfg.intermediate_size
+        self.cfg, self.tp = cfg, tp
+        e = cfg.num_experts
+        self.placement = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel)
+        n, i = self.placement.num_local, self.placement.intermediate_size
         # Router weight and selection bias stay fp32 (transformers keeps them in fp32 too).
         self.gate_weight = nn.Parameter(torch.empty(e, hidden_size, dtype=torch.float32), requires_grad=False)
         self.correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32), requires_grad=False)
         self.w13: nn.Parameter | nn.ParameterList = nn.Parameter(
-            torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+            torch.empty(n, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
         self.w2: nn.Parameter | nn.ParameterList = nn.Parameter(
-            torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+            torch.empty(n, hidden_size, i, dtype=dtype), requires_grad=False)
         self.shared_experts = (
-            GatedMLP(hidden_size, i * cfg.num_shared_experts, dtype) if cfg.num_shared_experts else None
+            GatedMLP(hidden_size, cfg.intermediate_size * cfg.num_shared_experts, dtype, tp=tp, reduce=False)
+            if cfg.num_shared_experts else None
         )
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        i = self.cfg.intermediate_size
-        named: dict[str, torch.Tensor] = {
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard | None]:
+        """Router, this rank's experts (another rank's expert tensors map to None: not read) and shared experts."""
+        place, full = self.placement, self.cfg.intermediate_size
+        i = place.intermediate_size
+        named: dict[str, torch.Tensor | Shard | None] = {
             "gate.weight": self.gate_weight, "gate.e_score_correction_bias": self.correction_bias,
         }
         w13, w2 = self.w13, self.w2
         assert isinstance(w13, nn.Parameter) and isinstance(w2, nn.Parameter), "the stacks are loaded before prepack"
         for e in range(self.cfg.num_experts):
-            named[f"experts.{e}.w1.weight"] = w13[e, :i]
-            named[f"experts.{e}.w3.weight"] = w13[e, i:]
-            named[f"experts.{e}.w2.weight"] = w2[e]
+            local = e - place.first
+            for name, target, dim in (("w1", w13[local, :i] if place.is_local(e) else None, 0),
+                                      ("w3", w13[local, i:] if place.is_local(e) else None, 0),
+                                      ("w2", w2[local] if place.is_local(e) else None, 1)):
+                named[f"experts.{e}.{name}.weight"] = None if target is None else place.split(target, dim, full)
         if self.shared_experts is not None:
             for name, t in self.shared_experts.checkpoint_tensors().items():
                 named[f"shared_experts.{name}"] = t
@@ -107,14 +163,15 @@ class MoE(nn.Module):
         del self.w13, self.w2  # registered as parameters: a module attribute cannot change kind in place
         self.w13, self.w2 = (nn.ParameterList(nn.Parameter(pack(w), requires_grad=False) for w in stack)
                              for stack in (w13, w2))
-        return 2 * self.cfg.num_experts
+        return 2 * len(w13)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_tokens(x, self.gate_weight, self.correction_bias, self.cfg)
         # The stacks as loaded take `F.linear` (the grouped-GEMM path accepts those); per-expert packed weights after
         # `prepack` take the packed `ops.linear`.
         packed = isinstance(self.w13, nn.ParameterList)
-        y = moe_experts(x, self.w13, self.w2, weights, ids, linear=linear if packed else F.linear)
+        y = moe_experts(x, self.w13, self.w2, weights, self.placement.local_ids(ids),
+                        linear=linear if packed else F.linear)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y
+        return self.tp.all_reduce(y)

@@ -10,13 +10,12 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve import envs
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
-from deltaserve.distributed import SINGLE, ParallelGroup
+from deltaserve.distributed import SINGLE, ParallelGroup, Shard
 from deltaserve.layers.attn_res import AttnResWeights, BlockAttnRes
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
@@ -24,8 +23,8 @@ from deltaserve.layers.latent_moe import LatentMoE
 from deltaserve.layers.linear import NormWeight, pack_parameter
 from deltaserve.layers.mla import MLAttention
 from deltaserve.layers.moe import GatedMLP, gated_activation
+from deltaserve.layers.vocab import VocabShard
 from deltaserve.models.kimi_linear import layer_cache_specs
-from deltaserve.ops.linear import linear
 from deltaserve.ops.norm import rms_norm
 
 TEXT_PREFIX = "language_model."
@@ -41,7 +40,8 @@ class K3DecoderLayer(nn.Module):
     """One decoder layer: a KDA or MLA mixer and a dense SiTU MLP or a LatentMoE, joined by plain residuals or by
     Block AttnRes (`forward_attn_res`)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, mxfp8_activations: bool) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, mxfp8_activations: bool,
+                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
         super().__init__()
         d, self.eps, self.layer_id = config.hidden_size, config.rms_norm_eps, layer_id
         self.input_layernorm = NormWeight(d, dtype)
@@ -51,23 +51,25 @@ class K3DecoderLayer(nn.Module):
             self.self_attn: KDAttention | MLAttention = KDAttention(
                 # K3 keeps the conv, o_norm and beta in (at least) fp32; an fp64 model (the oracle) runs them in
                 # fp64 like everything else, which the plain dtype path does.
-                config.kda, d, self.eps, layer_id, dtype, a_log_size=a_log_size, k3_precision=dtype != torch.float64
+                config.kda, d, self.eps, layer_id, dtype, a_log_size=a_log_size, k3_precision=dtype != torch.float64,
+                tp=tp,
             )
         else:
-            self.self_attn = MLAttention(config.mla, d, dtype)
+            self.self_attn = MLAttention(config.mla, d, dtype, tp=tp)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
             self.mlp: LatentMoE | GatedMLP = LatentMoE(config.moe, d, config.activation, self.eps, dtype,
-                                                       config.quantization, mxfp8_activations)
+                                                       config.quantization, mxfp8_activations, tp=tp,
+                                                       expert_parallel=expert_parallel)
         else:
-            self.mlp = GatedMLP(d, config.intermediate_size, dtype, act=gated_activation(config.activation))
+            self.mlp = GatedMLP(d, config.intermediate_size, dtype, act=gated_activation(config.activation), tp=tp)
         self.attn_res = config.attn_res_block_size is not None
         if self.attn_res:
             self.self_attention_res = AttnResWeights(d, dtype)
             self.mlp_res = AttnResWeights(d, dtype)
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named: dict[str, torch.Tensor] = {
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard | None]:
+        named: dict[str, torch.Tensor | Shard | None] = {
             "input_layernorm.weight": self.input_layernorm.weight,
             "post_attention_layernorm.weight": self.post_attention_layernorm.weight,
         }
@@ -104,29 +106,31 @@ class KimiK3ForConditionalGeneration(nn.Module):
         self.config, self.dtype, self.tp = config, dtype, tp
         mxfp8 = envs.mxfp8_activations() if mxfp8_activations is None else mxfp8_activations
         d = config.hidden_size
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(K3DecoderLayer(config, i, dtype, mxfp8) for i in range(config.num_hidden_layers))
+        self.vocab = VocabShard(config.vocab_size, tp)
+        self.embed_tokens = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i, dtype, mxfp8, tp, expert_parallel)
+                                    for i in range(config.num_hidden_layers))
         self.norm = NormWeight(d, dtype)
         if config.attn_res_block_size is not None:
             self.output_attn_res = AttnResWeights(d, dtype)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
+            self.lm_head = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
 
     @property
     def decoder_layers(self) -> Sequence[K3DecoderLayer]:
         """`layers` with its element type (`nn.ModuleList` is typed as holding any module)."""
         return cast("Sequence[K3DecoderLayer]", self.layers)
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard | None]:
         """Every checkpoint tensor name (with the `language_model.` prefix) -> the tensor (or view) it loads into."""
-        named: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight,
+        named: dict[str, torch.Tensor | Shard | None] = {
+            "model.embed_tokens.weight": self.vocab.target(self.embed_tokens), "model.norm.weight": self.norm.weight,
         }
         if self.config.attn_res_block_size is not None:
             output_res = self.output_attn_res.checkpoint_tensors("output_attn_res")
             named.update({f"model.{k}": v for k, v in output_res.items()})
         if not self.config.tie_word_embeddings:
-            named["lm_head.weight"] = self.lm_head
+            named["lm_head.weight"] = self.vocab.target(self.lm_head)
         for i, layer in enumerate(self.decoder_layers):
             named.update({f"model.layers.{i}.{k}": v for k, v in layer.checkpoint_tensors().items()})
         return {TEXT_PREFIX + k: v for k, v in named.items()}
@@ -142,12 +146,13 @@ class KimiK3ForConditionalGeneration(nn.Module):
         """As Kimi Linear, but the conv windows are fp32: K3's conv weights are fp32 and its conv runs in fp32
         (fp64 for an fp64 model, the oracle)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return layer_cache_specs(self.config, kv_dtype=dtype, conv_dtype="float64" if dtype == "float64" else "float32")
+        return layer_cache_specs(self.config, kv_dtype=dtype, conv_dtype="float64" if dtype == "float64" else "float32",
+                                 tp_size=self.tp.size)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
         cfg = self.config
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.vocab.embed(input_ids, self.embed_tokens)
         if cfg.attn_res_block_size is None:
             for layer, cache in zip(self.decoder_layers, caches, strict=True):
                 h = layer(h, batch, cache)
@@ -164,6 +169,6 @@ class KimiK3ForConditionalGeneration(nn.Module):
         return 0 if self.config.tie_word_embeddings else pack_parameter(self, "lm_head")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, d] -> fp32 logits [n, vocab]."""
+        """hidden: [n, d] -> fp32 logits [n, vocab] (on every rank: each computes its vocabulary share)."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return linear(hidden, head).float()
+        return self.vocab.logits(hidden, head)

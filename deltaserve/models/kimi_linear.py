@@ -7,27 +7,28 @@ from collections.abc import Sequence
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
-from deltaserve.distributed import SINGLE, ParallelGroup
+from deltaserve.distributed import SINGLE, ParallelGroup, Shard
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
 from deltaserve.layers.linear import NormWeight, pack_parameter
 from deltaserve.layers.mla import MLAttention
 from deltaserve.layers.moe import GatedMLP, MoE
-from deltaserve.ops.linear import linear
+from deltaserve.layers.vocab import VocabShard
 from deltaserve.ops.norm import rms_norm
 
 # transformers' save_pretrained writes the dense layer-0 MLP as block_sparse_moe.*; real checkpoints use mlp.*.
 _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 
 
-def layer_cache_specs(config: ModelConfig, *, kv_dtype: str, conv_dtype: str) -> list[KVCacheSpec | StateCacheSpec]:
-    """Per layer: an MLA latent row per token (`kv_dtype`) or a KDA slot (recurrent state in at least fp32, conv
-    window in `conv_dtype`). Shared by every KDA/MLA hybrid."""
+def layer_cache_specs(config: ModelConfig, *, kv_dtype: str, conv_dtype: str,
+                      tp_size: int = 1) -> list[KVCacheSpec | StateCacheSpec]:
+    """Per layer: an MLA latent row per token (`kv_dtype`; whole on every tensor-parallel rank) or a KDA slot
+    (recurrent state in at least fp32, conv window in `conv_dtype`; a rank's `num_heads / tp_size` heads). Shared by
+    every KDA/MLA hybrid."""
     specs: list[KVCacheSpec | StateCacheSpec] = []
     # The recurrent state is at least fp32: fp64 for an fp64 model (the oracle), fp32 for fp32 and bf16.
     recurrent_dtype = str(torch.promote_types(getattr(torch, kv_dtype), torch.float32)).removeprefix("torch.")
@@ -35,7 +36,7 @@ def layer_cache_specs(config: ModelConfig, *, kv_dtype: str, conv_dtype: str) ->
         if kind == "mla":
             specs.append(KVCacheSpec(layer_id=i, row_width=config.mla.cache_row_width, dtype=kv_dtype))
         else:
-            h, dh, k = config.kda.num_heads, config.kda.head_dim, config.kda.conv_kernel_size
+            h, dh, k = config.kda.num_heads // tp_size, config.kda.head_dim, config.kda.conv_kernel_size
             specs.append(
                 StateCacheSpec(
                     layer_id=i, recurrent_shape=(h, dh, dh), recurrent_dtype=recurrent_dtype,
@@ -48,23 +49,24 @@ def layer_cache_specs(config: ModelConfig, *, kv_dtype: str, conv_dtype: str) ->
 class DecoderLayer(nn.Module):
     """h += Mixer(RMSNorm(h)); h += FFN(RMSNorm(h))  (model-spec §2.1)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         d, self.eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = NormWeight(d, dtype)
         self.post_attention_layernorm = NormWeight(d, dtype)
         if config.layer_kinds[layer_id] == "kda":
-            self.self_attn: KDAttention | MLAttention = KDAttention(config.kda, d, self.eps, layer_id, dtype)
+            self.self_attn: KDAttention | MLAttention = KDAttention(config.kda, d, self.eps, layer_id, dtype, tp=tp)
         else:
-            self.self_attn = MLAttention(config.mla, d, dtype)
+            self.self_attn = MLAttention(config.mla, d, dtype, tp=tp)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
-            self.mlp: MoE | GatedMLP = MoE(config.moe, d, dtype)
+            self.mlp: MoE | GatedMLP = MoE(config.moe, d, dtype, tp=tp, expert_parallel=expert_parallel)
         else:
-            self.mlp = GatedMLP(d, config.intermediate_size, dtype)
+            self.mlp = GatedMLP(d, config.intermediate_size, dtype, tp=tp)
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        named: dict[str, torch.Tensor] = {
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard | None]:
+        named: dict[str, torch.Tensor | Shard | None] = {
             "input_layernorm.weight": self.input_layernorm.weight,
             "post_attention_layernorm.weight": self.post_attention_layernorm.weight,
         }
@@ -88,24 +90,26 @@ class KimiLinearForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype, self.tp = config, dtype, tp
         d = config.hidden_size
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.vocab = VocabShard(config.vocab_size, tp)
+        self.embed_tokens = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, tp, expert_parallel)
+                                    for i in range(config.num_hidden_layers))
         self.norm = NormWeight(d, dtype)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, d, dtype=dtype), requires_grad=False)
+            self.lm_head = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
 
     @property
     def decoder_layers(self) -> Sequence[DecoderLayer]:
         """`layers` with its element type (`nn.ModuleList` is typed as holding any module)."""
         return cast("Sequence[DecoderLayer]", self.layers)
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard | None]:
         """Every checkpoint tensor name -> the tensor (or view) it loads into."""
-        named: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight,
+        named: dict[str, torch.Tensor | Shard | None] = {
+            "model.embed_tokens.weight": self.vocab.target(self.embed_tokens), "model.norm.weight": self.norm.weight,
         }
         if not self.config.tie_word_embeddings:
-            named["lm_head.weight"] = self.lm_head
+            named["lm_head.weight"] = self.vocab.target(self.lm_head)
         for i, layer in enumerate(self.decoder_layers):
             named.update({f"model.layers.{i}.{k}": v for k, v in layer.checkpoint_tensors().items()})
         return named
@@ -118,11 +122,11 @@ class KimiLinearForCausalLM(nn.Module):
     def cache_specs(self) -> list[KVCacheSpec | StateCacheSpec]:
         """One spec per layer: MLA layers keep latent rows per token, KDA layers a state slot per sequence."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return layer_cache_specs(self.config, kv_dtype=dtype, conv_dtype=dtype)
+        return layer_cache_specs(self.config, kv_dtype=dtype, conv_dtype=dtype, tp_size=self.tp.size)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.vocab.embed(input_ids, self.embed_tokens)
         for layer, cache in zip(self.decoder_layers, caches, strict=True):
             h = layer(h, batch, cache)
         return rms_norm(h, self.norm.weight, self.config.rms_norm_eps)
@@ -133,6 +137,6 @@ class KimiLinearForCausalLM(nn.Module):
         return 0 if self.config.tie_word_embeddings else pack_parameter(self, "lm_head")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [n, d] -> fp32 logits [n, vocab]."""
+        """hidden: [n, d] -> fp32 logits [n, vocab] (on every rank: each computes its vocabulary share)."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return linear(hidden, head).float()
+        return self.vocab.logits(hidden, head)

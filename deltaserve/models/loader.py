@@ -63,25 +63,30 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, Any]]:
 
 def load_weights(model: Model, path: Path) -> None:
     """Copy every checkpoint tensor into the model; each target must be filled exactly once. A `Shard` target reads
-    only its slice of the checkpoint tensor (a tensor-parallel rank reads only what it holds)."""
+    only its slice of the checkpoint tensor (a tensor-parallel rank reads only what it holds); a None target is a
+    tensor another rank holds, not read at all."""
     targets = model.checkpoint_tensors()
     seen: set[str] = set()
     for raw_name, reader in iter_checkpoint(path):
         name = model.canonical_name(raw_name)  # None: a tensor the model skips (e.g. K3's vision tower)
         if name is None:
             continue
-        target = targets.get(name)
-        if target is None:
+        if name not in targets:
             raise WeightLoadError(f"unexpected tensor {raw_name!r} in checkpoint {path}")
+        target = targets[name]
         if name in seen:
             raise WeightLoadError(f"tensor {raw_name!r} appears twice in checkpoint {path} (also as an alias)")
+        if target is None:  # another rank's tensor (an expert-parallel partition): not read
+            seen.add(name)
+            continue
         shape = target.full_shape() if isinstance(target, Shard) else tuple(target.shape)
         if tuple(reader.get_shape()) != shape:
             raise WeightLoadError(f"tensor {raw_name!r} has shape {list(reader.get_shape())}, expected {list(shape)}")
         dest = target.target if isinstance(target, Shard) else target
         if _is_float(reader.get_dtype()) != dest.dtype.is_floating_point:
             # Packed MXFP4 codes and E8M0 scales are uint8: a float there (or the reverse) is a different format.
-            raise WeightLoadError(f"tensor {raw_name!r} has dtype {reader.get_dtype()}, expected {dest.dtype}")
+            raise WeightLoadError(
+                f"tensor {raw_name!r} has dtype {_dtype_name(reader.get_dtype())}, expected {dest.dtype}")
         tensor = reader[target.index()] if isinstance(target, Shard) else reader[:]
         with torch.no_grad():
             dest.copy_(tensor)
@@ -90,6 +95,16 @@ def load_weights(model: Model, path: Path) -> None:
     if missing:
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         raise WeightLoadError(f"checkpoint {path} is missing tensor(s) {missing[:10]}{more}")
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _dtype_name(safetensors_dtype: str) -> str:
+    """A safetensors dtype name ('F32', 'U8', ...) as torch spells it ('torch.float32'), for error messages."""
+    return str(_DTYPES.get(safetensors_dtype, safetensors_dtype))
 
 
 def _is_float(safetensors_dtype: str) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
+from deltaserve.distributed import ParallelGroup, Shard
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 
 CacheSpec = KVCacheSpec | StateCacheSpec
@@ -39,8 +40,9 @@ class Model(Protocol):
     def cache_specs(self) -> list[CacheSpec]:
         """One spec per decoder layer, in layer order."""
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Every checkpoint tensor name -> the tensor (or view) the loader copies it into."""
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor | Shard | None]:
+        """Every checkpoint tensor name -> the tensor (or view) the loader copies it into, this rank's `Shard` of it
+        (tensor parallelism), or None for a tensor another rank holds (expert parallelism)."""
 
     def canonical_name(self, name: str) -> str | None:
         """A checkpoint name -> the `checkpoint_tensors` name it loads into; None for a tensor to skip."""
@@ -60,4 +62,5 @@ class Model(Protocol):
 class ModelClass(Protocol):
     """A model class as the registry returns it: built from the config, in a dtype, on the current default device."""
 
-    def __call__(self, config: ModelConfig, dtype: torch.dtype = ...) -> Model: ...
+    def __call__(self, config: ModelConfig, dtype: torch.dtype = ..., *, tp: ParallelGroup = ...,
+                 expert_parallel: bool = ...) -> Model: ...

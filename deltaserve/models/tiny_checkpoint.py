@@ -75,6 +75,7 @@ def random_weights(model: Model, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, target in model.checkpoint_tensors().items():
+        assert isinstance(target, torch.Tensor), "a tiny checkpoint is drawn from a single-rank model"
         shape = tuple(target.shape)
         if name.endswith("A_log"):
             t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()

@@ -100,7 +100,8 @@ def moe_experts(
             MXFP4 tensor or a list of packed weights (``ops.linear.pack``).
         w2: ``[E, d, I]`` down projections (same kind as ``w13``).
         topk_weights: ``[T, k]`` combine weights (fp32).
-        topk_ids: ``[T, k]`` int expert ids in ``[0, E)``.
+        topk_ids: ``[T, k]`` int expert ids in ``[0, E)``, or -1 for a pair to skip (an expert another
+            expert-parallel rank holds: its token gets nothing from it here).
         act: ``[n, 2I] -> [n, I]`` gated activation (default SiLU-GLU).
         linear: ``(x, w13[e]) -> x W^T`` (default ``F.linear``; ``mxfp4_linear`` for MXFP4 weights).
         fp32_combine: sum the weighted expert outputs in fp32.
@@ -110,13 +111,14 @@ def moe_experts(
     """
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1).to(torch.long)  # [T*k], token-major
-    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+    order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert; -1 (skipped) first
     token_of_pair = order // top_k
     weight_of_pair = topk_weights.reshape(-1)[order]
-    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()  # host sync: acceptable in the reference
+    held = flat_ids >= 0
+    counts = torch.bincount(flat_ids[held], minlength=len(w13)).tolist()  # host sync: acceptable in the reference
 
     out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32) if fp32_combine else x.dtype)
-    start = 0
+    start = int(flat_ids.numel() - sum(counts))  # the skipped pairs sort first
     for expert, count in enumerate(counts):
         if count == 0:
             continue

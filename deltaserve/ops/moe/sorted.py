@@ -52,7 +52,11 @@ def moe_experts_sorted(x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
     """Same contract as `ref.moe_experts` for the calls `supports` accepts (SiLU-GLU, dense weights): x [T, d],
     w13 [E, 2I, d], w2 [E, d, I], weights/ids [T, k] -> [T, d]."""
     top_k = topk_ids.shape[1]
-    experts, order = torch.sort(topk_ids.reshape(-1).long(), stable=True)  # pairs by expert, token order inside
+    # A pair of another expert-parallel rank's expert (id -1) runs through expert 0 with weight 0: no host sync to
+    # drop it, and its contribution is exactly zero.
+    skipped = topk_ids < 0
+    topk_weights = topk_weights.masked_fill(skipped, 0.0)
+    experts, order = torch.sort(topk_ids.clamp(min=0).reshape(-1).long(), stable=True)  # by expert, tokens in order
     token = order // top_k
     # The end row of each expert's group. Not bincount: on CUDA it reads min / max back to the host (a sync).
     ends = torch.searchsorted(experts, torch.arange(w13.shape[0], device=experts.device), right=True)
