@@ -177,10 +177,10 @@ class AsyncEngineClient:
     # -- requests ------------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Add a request (when iteration starts) and yield one output per engine step that produced tokens for it,
-        until the one with `finish_reason` set.
+        until the one with `finish_reason` set. `session_id` (a routing hint) is ignored: there is one engine.
 
         Closing the iterator early (aclose, cancellation, garbage collection) aborts the request in the engine.
         Raises EngineRequestError if the engine rejects the request, EngineDeadError if the engine is gone, and

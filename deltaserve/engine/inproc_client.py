@@ -76,11 +76,11 @@ class InprocEngineClient:
     # -- requests ------------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Add a request to the core (when iteration starts: between two steps) and yield its outputs, as
-        `EngineClient.generate` says. A request the core refuses raises EngineRequestError chained from the core's
-        ValueError."""
+        `EngineClient.generate` says (`session_id`, a routing hint, is ignored). A request the core refuses raises
+        EngineRequestError chained from the core's ValueError."""
         if params.n != 1:
             raise ValueError(f"generate takes n=1 sampling params (got n={params.n}); fan out n in the frontend")
         self._check_alive()

@@ -174,27 +174,29 @@ class OutputProcessor:
         return out
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       make_processor: Callable[[SamplingParams], SequenceProcessor], *, priority: int = 0
-                       ) -> AsyncGenerator[SequenceUpdate, None]:
+                       make_processor: Callable[[SamplingParams], SequenceProcessor], *, priority: int = 0,
+                       session_id: str | None = None) -> AsyncGenerator[SequenceUpdate, None]:
         """Run the `params.n` sequences of a request; yield their updates as they come, each sequence's last one
         with a reason. The client's errors propagate (the first one ends every sequence); closing the iterator
-        early aborts the sequences still running."""
+        early aborts the sequences still running. `session_id`: the client's routing hint (protocol.py)."""
         seqs = self.sequences(request_id, prompt_ids, params, make_processor)
         if len(seqs) == 1:
-            async with contextlib.aclosing(self.stream(seqs[0], prompt_ids, priority=priority)) as updates:
+            async with contextlib.aclosing(self.stream(seqs[0], prompt_ids, priority=priority,
+                                                       session_id=session_id)) as updates:
                 async for update in updates:
                     yield update
             return
-        async with contextlib.aclosing(merge([self.stream(s, prompt_ids, priority=priority) for s in seqs])) as all_:
+        async with contextlib.aclosing(merge([self.stream(s, prompt_ids, priority=priority, session_id=session_id)
+                                              for s in seqs])) as all_:
             async for _, update in all_:
                 yield update
 
-    async def stream(self, seq: SequenceState, prompt_ids: list[int], *, priority: int = 0
-                     ) -> AsyncGenerator[SequenceUpdate, None]:
+    async def stream(self, seq: SequenceState, prompt_ids: list[int], *, priority: int = 0,
+                     session_id: str | None = None) -> AsyncGenerator[SequenceUpdate, None]:
         """Run one sequence: one update per engine output, until the one with a reason. A stop string aborts the
         engine request with FinishReason.STOP before the update that ends with it is yielded."""
         outputs = self.client.generate(seq.request_id, prompt_ids, seq.params, eos_token_ids=self.eos_token_ids,
-                                       priority=priority)
+                                       priority=priority, session_id=session_id)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 update = self._update(seq, out)

@@ -1,7 +1,8 @@
 """`EngineClient`: what a frontend (`LLM`, the HTTP server) needs from an engine, whichever process it runs in.
 
-Two implementations: `AsyncEngineClient` (client.py: the engine in its own process, over ZMQ) and
-`InprocEngineClient` (inproc_client.py: an `EngineCore` in this process). Both stream the engine's own per-step
+Three implementations: `AsyncEngineClient` (client.py: the engine in its own process, over ZMQ),
+`InprocEngineClient` (inproc_client.py: an `EngineCore` in this process) and `DPEngineClient` (dp_client.py:
+data-parallel replicas, each an `AsyncEngineClient`, behind a router). Both stream the engine's own per-step
 records (`EngineCoreOutput`) and raise the errors defined here. No torch here.
 """
 
@@ -40,13 +41,15 @@ class EngineClient(Protocol):
       carries `error` is raised as `EngineRequestError` instead. Closing the iterator early (aclose, cancellation,
       garbage collection) aborts the request in the engine.
     - `abort` is idempotent and ignores unknown ids; the request frees its cache before the next step.
+    - `session_id` is a routing hint: requests with the same one go to the same data-parallel replica (where their
+      cache is). A single engine ignores it.
     """
 
     info: EngineInfo
     """Facts about the loaded model and cache (limits, vocabulary, eos ids, pool sizes)."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 eos_token_ids: frozenset[int] = frozenset(), priority: int = 0
+                 eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
                  ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Run one sequence; raises EngineRequestError (rejected or failed request), EngineDeadError (engine gone)
         and ValueError (n != 1, or a request id still in use)."""

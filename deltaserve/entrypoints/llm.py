@@ -3,6 +3,10 @@
 `generate` runs on the same seams as the HTTP server: an `InprocEngineClient` (the engine in this process, stepped
 inline on a private event loop) and the shared `OutputProcessor` (fan-out of n, detokenization, stop strings,
 logprobs); this module only checks the arguments and assembles `RequestOutput`s from the `SequenceUpdate`s.
+
+With `data_parallel_size=N` (N > 1) the engines are N engine processes behind the router of the HTTP server
+(`DPEngineClient`, engine/dp_client.py) instead of one in-process `EngineCore`; `generate` batches and routes the
+same way, and `shutdown()` (or garbage collection, or the interpreter's exit) stops the processes.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from deltaserve.config import (
     SpeculativeConfig,
 )
 from deltaserve.default_model import default_model_dir
+from deltaserve.engine.dp_client import DPEngineClient
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.engine.inproc_client import InprocEngineClient
+from deltaserve.engine.messages import EngineInfo
 from deltaserve.engine.output_processor import OutputProcessor, SequenceState, TextProcessor
 from deltaserve.engine.protocol import EngineRequestError
 from deltaserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -56,7 +62,9 @@ class LLM:
             ``{"method": "ngram", "num_speculative_tokens": 3}``) or a `SpeculativeConfig`; none: plain decoding.
         **engine_args: fields of `CacheConfig` (block_size, cache_memory, num_blocks, num_state_slots),
             `SchedulerConfig` (max_num_batched_tokens, max_num_seqs, policy, watchdog_timeout_s) and
-            `ParallelConfig` (distributed_executor_backend: "uni", the default, or "mp" for a worker process).
+            `ParallelConfig` (distributed_executor_backend: "uni", the default, or "mp" for a worker process;
+            data_parallel_size: N > 1 runs N engine processes behind a router, each with its share of the CPU
+            threads, and load_balance_method).
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
@@ -82,11 +90,6 @@ class LLM:
         )
         ModelConfig.from_pretrained(model)  # fail on a bad checkpoint config before reading anything else
         self.tokenizer = Tokenizer.from_pretrained(model)
-        self.engine: EngineCore = EngineCore(config)
-        """The engine core, stepped by `generate` (its scheduler, cache, stats and step observer are public)."""
-        self.eos_token_ids = frozenset(self.engine.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
-        self._client = InprocEngineClient(self.engine)
-        self._output = OutputProcessor(self._client, eos_token_ids=self.eos_token_ids)
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         """Private to this object: `generate` runs on it (in the calling thread, or in `_thread` when that thread
@@ -94,6 +97,38 @@ class LLM:
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._task: asyncio.Task[Any] | None = None
         weakref.finalize(self, _close, self._loop)
+        self._core: EngineCore | None = None
+        self._client: InprocEngineClient | DPEngineClient
+        if config.parallel.data_parallel_size > 1:
+            self._client = self._run(DPEngineClient.start(config))
+            weakref.finalize(self, _shutdown, self._loop, self._client)
+        else:
+            self._core = EngineCore(config)
+            self._client = InprocEngineClient(self._core)
+        self.eos_token_ids = frozenset(self._client.info.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self._output = OutputProcessor(self._client, eos_token_ids=self.eos_token_ids)
+
+    @property
+    def engine(self) -> EngineCore:
+        """The engine core, stepped by `generate` (its scheduler, cache, stats and step observer are public).
+        With data_parallel_size > 1 there is none in this process (the replicas run in engine processes of their
+        own): AttributeError; `client` is the `DPEngineClient` over them."""
+        if self._core is None:
+            raise AttributeError("LLM.engine: with data_parallel_size > 1 the engines run in processes of their own; "
+                                 "LLM.client is the DPEngineClient over them")
+        return self._core
+
+    @property
+    def client(self) -> InprocEngineClient | DPEngineClient:
+        """The engine client `generate` runs on: an `InprocEngineClient` over `engine`, or with data parallelism a
+        `DPEngineClient` (its `replicas`, `router` and `pids`)."""
+        return self._client
+
+    def shutdown(self) -> None:
+        """Stop the engine processes of a data-parallel LLM (also done when it is garbage-collected); nothing to do
+        for an in-process engine. The LLM cannot generate afterwards."""
+        if isinstance(self._client, DPEngineClient):
+            self._run(self._client.shutdown())
 
     def generate(
         self,
@@ -119,7 +154,10 @@ class LLM:
         priorities = _priorities(priority, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         for ids in encoded:
-            self.engine.validate_prompt(ids)
+            if self._core is not None:
+                self._core.validate_prompt(ids)
+            else:
+                _validate_prompt(ids, self._client.info)
         results = [RequestOutput(request_id=str(next(self._ids)), prompt=prompt if isinstance(prompt, str) else None,
                                  prompt_token_ids=ids, outputs=[], finished=False)
                    for prompt, ids in zip(prompts, encoded, strict=True)]
@@ -237,6 +275,25 @@ class LLM:
 def _close(loop: asyncio.AbstractEventLoop) -> None:
     if not loop.is_running():
         loop.close()
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, client: DPEngineClient) -> None:
+    """Stop a data-parallel LLM's engine processes when it is collected (each replica also kills its process at
+    the interpreter's exit)."""
+    if not loop.is_closed() and not loop.is_running():
+        loop.run_until_complete(client.shutdown())
+
+
+def _validate_prompt(ids: list[int], info: EngineInfo) -> None:
+    """`EngineCore.validate_prompt` from the engine's facts, for engines in other processes (the same errors)."""
+    if not ids:
+        raise ValueError("prompt is empty: at least one token is needed")
+    bad = [t for t in ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {info.vocab_size})")
+    if len(ids) >= info.max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {info.max_model_len} "
+                         "(room for one generated token is needed)")
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:

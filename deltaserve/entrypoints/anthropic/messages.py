@@ -195,7 +195,8 @@ async def create_message(frontend: Frontend, body: MessagesRequest) -> dict[str,
     frontend.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(1)
-    async for update in frontend.generate(message_id, plan.prompt_ids, plan.params, plan.processors(frontend)):
+    async for update in frontend.generate(message_id, plan.prompt_ids, plan.params, plan.processors(frontend),
+                                          session_id=body.session_id()):
         acc.add(update)
     c = acc.choices[0]
     content: list[dict[str, Any]] = []
@@ -224,7 +225,7 @@ async def create_message_stream(frontend: Frontend, body: MessagesRequest) -> As
     frontend.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
     stream = frontend.stream(message_id, frontend.generate(message_id, plan.prompt_ids, plan.params,
-                                                           plan.processors(frontend)))
+                                                           plan.processors(frontend), session_id=body.session_id()))
     return _events(frontend, plan, message_id, stream)
 
 

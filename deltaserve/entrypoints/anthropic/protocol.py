@@ -91,3 +91,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+
+    def session_id(self) -> str | None:
+        """`metadata.user_id` when it is a string: the session the data-parallel router keeps on one replica."""
+        user = (self.metadata or {}).get("user_id")
+        return user if isinstance(user, str) else None

@@ -200,7 +200,7 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(plan.params.n, hide_reasoning=plan.thinking and not plan.show_reasoning)
     stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend),
-                               priority=plan.priority)
+                               priority=plan.priority, session_id=body.user)
     async for update in stream:
         acc.add(update)
     choices = []
@@ -235,7 +235,8 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
     frontend.check_capacity(plan.params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = frontend.stream(request_id, frontend.generate(request_id, plan.prompt_ids, plan.params,
-                                                           plan.processors(frontend), priority=plan.priority))
+                                                           plan.processors(frontend), priority=plan.priority,
+                                                           session_id=body.user))
     usage_mode = body.stream_options.usage_mode() if body.stream_options else None
     return _events(frontend, plan, request_id, stream, usage_mode)
 

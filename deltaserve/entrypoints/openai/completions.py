@@ -95,10 +95,12 @@ async def _merge(streams: list[AsyncGenerator[SequenceUpdate, None]], n: int
             yield msgspec.structs.replace(u, index=p * n + u.index)
 
 
-def _start(frontend: Frontend, plan: CompletionPlan, request_id: str) -> AsyncGenerator[SequenceUpdate, None]:
+def _start(frontend: Frontend, plan: CompletionPlan, request_id: str, session_id: str | None
+           ) -> AsyncGenerator[SequenceUpdate, None]:
     frontend.check_capacity(plan.n * len(plan.prompts))
     streams = [frontend.generate(f"{request_id}-p{p}", ids, params,
-                                 lambda sp: TextProcessor(frontend.tokenizer, sp), priority=plan.priority)
+                                 lambda sp: TextProcessor(frontend.tokenizer, sp), priority=plan.priority,
+                                 session_id=session_id)
                for p, (ids, params) in enumerate(zip(plan.prompts, plan.params, strict=True))]
     return _merge(streams, plan.n)
 
@@ -114,7 +116,7 @@ async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, A
     plan = await CompletionPlan.make(frontend, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(plan.n * len(plan.prompts))
-    async for update in _start(frontend, plan, request_id):
+    async for update in _start(frontend, plan, request_id, body.user):
         acc.add(update)
     choices = []
     for i, c in enumerate(acc.choices):
@@ -138,7 +140,7 @@ async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, A
 async def completion_stream(frontend: Frontend, body: CompletionRequest) -> AsyncIterator[str]:
     plan = await CompletionPlan.make(frontend, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    stream = frontend.stream(request_id, _start(frontend, plan, request_id))
+    stream = frontend.stream(request_id, _start(frontend, plan, request_id, body.user))
     usage_mode = body.stream_options.usage_mode() if body.stream_options else None
     return _events(frontend, plan, body, request_id, stream, usage_mode)
 

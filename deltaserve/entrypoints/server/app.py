@@ -7,7 +7,10 @@ a streaming one when the event stream is closed. Both are also ended at their de
 and by a drain that ran out of time (server/lifecycle.py); `AdmissionGate` refuses new requests while draining.
 
 /health asks the engine: 200 while the engine process runs and its heartbeat is recent (`--health-timeout-s`),
-503 otherwise (dead, exited, or stopped/frozen).
+503 otherwise (dead, exited, or stopped/frozen); with data parallelism, while any replica does.
+
+The `X-Session-ID` header, when sent, is the request's session id for the data-parallel router (it takes the place
+of OpenAI's `user` / Anthropic's `metadata.user_id`, which are the session id otherwise).
 """
 
 from __future__ import annotations
@@ -28,11 +31,17 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve.engine.client import AsyncEngineClient
+from deltaserve.engine.dp_client import DPEngineClient
 from deltaserve.entrypoints.anthropic.messages import count_tokens, create_message, create_message_stream
 from deltaserve.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from deltaserve.entrypoints.openai.chat import chat_completion, chat_completion_stream
 from deltaserve.entrypoints.openai.completions import completion, completion_stream
-from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from deltaserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+)
 from deltaserve.entrypoints.openai.tokenize import TOKENIZE_REQUEST, detokenize, tokenize
 from deltaserve.entrypoints.server.errors import ApiError, validation_message
 from deltaserve.entrypoints.server.frontend import Frontend
@@ -43,6 +52,8 @@ from deltaserve.entrypoints.server.status import status_router
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+SESSION_HEADER = "x-session-id"
+"""Request header naming the client's session (data-parallel routing keeps a session on one replica)."""
 
 
 def _is_anthropic(request: Request) -> bool:
@@ -118,6 +129,9 @@ async def _handle(frontend: Frontend, lifecycle: Lifecycle, request: Request, ro
         except ValidationError as exc:
             message, param = validation_message(exc.errors())
             raise ApiError(422 if _is_type_error(exc) else 400, message, param=param) from exc
+        session = request.headers.get(SESSION_HEADER)
+        if session:
+            _set_session(body, session)
         if run_stream is not None and getattr(body, "stream", False):
             events = await run_stream(frontend, body)
             frontend.metrics.observe_http(route, 200)
@@ -216,6 +230,15 @@ def build_app(frontend: Frontend, lifecycle: Lifecycle | None = None) -> FastAPI
     return app
 
 
+def _set_session(body: Any, session: str) -> None:
+    """The header's session id in the body field the route reads it from (OpenAI `user`, Anthropic
+    `metadata.user_id`)."""
+    if isinstance(body, SamplingFields):
+        body.user = session
+    elif isinstance(body, MessagesRequest):
+        body.metadata = {**(body.metadata or {}), "user_id": session}
+
+
 def _is_type_error(exc: ValidationError) -> bool:
     """Wrong JSON types / missing fields -> 422; values out of range are 400 like the OpenAI API."""
     return any(e.get("type", "").endswith(("_type", "missing", "_parsing")) for e in exc.errors())
@@ -226,7 +249,7 @@ def _engine_problem(frontend: Frontend) -> str | None:
     client = frontend.client
     if not client.is_alive:
         return "the engine process is not running"
-    if isinstance(client, AsyncEngineClient):  # an in-process engine has no heartbeat: it is this process
+    if isinstance(client, AsyncEngineClient | DPEngineClient):  # an in-process engine has no heartbeat
         age, limit = client.heartbeat_age(), frontend.config.health_timeout_s
         if age > limit:
             return f"no heartbeat from the engine process for {age:.1f} s (limit {limit:g} s): stopped or frozen"

@@ -221,15 +221,17 @@ class Frontend:
         return priority
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       make_processor: Callable[[SamplingParams], SequenceProcessor], priority: int = 0
-                       ) -> AsyncGenerator[SequenceUpdate, None]:
+                       make_processor: Callable[[SamplingParams], SequenceProcessor], priority: int = 0,
+                       session_id: str | None = None) -> AsyncGenerator[SequenceUpdate, None]:
         """Run `params.n` sequences through the output processor; yield their updates as they come, each
-        sequence's last one with a reason.
+        sequence's last one with a reason. `session_id` (the `X-Session-ID` header, OpenAI's `user`, Anthropic's
+        `metadata.user_id`) keeps a conversation on one data-parallel replica.
 
         Raises ApiError (400 for a request the engine rejects or fails, 503 when the engine died). Closing the
         iterator early aborts the sequences still running.
         """
-        updates = self.output.generate(request_id, prompt_ids, params, make_processor, priority=priority)
+        updates = self.output.generate(request_id, prompt_ids, params, make_processor, priority=priority,
+                                       session_id=session_id)
         async with contextlib.aclosing(updates):
             try:
                 async for update in updates:
@@ -237,5 +239,8 @@ class Frontend:
             except EngineRequestError as exc:
                 raise bad_request(str(exc)) from exc
             except EngineDeadError as exc:
+                if self.client.is_alive:  # data parallelism: this request's replica died, the others serve
+                    raise ApiError(503, "the engine replica serving this request died; retry it",
+                                   code="engine_dead", headers={"Retry-After": "1"}) from exc
                 raise ApiError(503, "the engine process died; the server cannot serve requests",
                                code="engine_dead") from exc

@@ -5,6 +5,10 @@ Signals: the first SIGTERM drains (server/lifecycle.py: new requests get 503, th
 immediate shutdown. When the engine process dies, its requests fail (503, or an error event in a stream); the
 server then exits with status 1 for a supervisor to restart it, or with `--restart-engine` starts a new engine
 process and goes on serving.
+
+With `--data-parallel-size N` there are N engine processes behind a router (engine/dp_client.py). One that dies
+fails only its own requests and the others go on serving; the server exits with status 1 once every replica is
+dead, and `--restart-engine` restarts each replica as it dies.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import uvicorn
 from deltaserve.chat import get_chat_format
 from deltaserve.config import EngineConfig, ServerConfig
 from deltaserve.engine.client import AsyncEngineClient, EngineDeadError, EngineStartError
+from deltaserve.engine.dp_client import DPEngineClient
 from deltaserve.entrypoints.server.app import build_app, default_model_name
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.entrypoints.server.http_protocol import with_header_timeout
@@ -37,12 +42,38 @@ async def build_frontend(engine_config: EngineConfig, server_config: ServerConfi
     chat_format = get_chat_format(engine_config.model, tokenizer, server_config.chat_format)
     name = server_config.served_model_name or default_model_name(engine_config.model)
     structured = make_backend(engine_config.structured_output_backend, tokenizer)  # validates requests up front
-    logger.info("starting the engine process for %s (chat format %s)", engine_config.model, chat_format.name)
-    client = await AsyncEngineClient.start(engine_config)
+    replicas = engine_config.parallel.data_parallel_size
+    logger.info("starting the engine process%s for %s (chat format %s)", "es" if replicas > 1 else "",
+                engine_config.model, chat_format.name)
+    client: AsyncEngineClient | DPEngineClient = (
+        await DPEngineClient.start(engine_config) if replicas > 1 else await AsyncEngineClient.start(engine_config))
     return Frontend(client, tokenizer, chat_format, server_config, ServerMetrics(name), name,
-                    max_num_seqs=engine_config.scheduler.max_num_seqs, structured_backend=structured,
+                    max_num_seqs=engine_config.scheduler.max_num_seqs * replicas, structured_backend=structured,
                     model_root=str(Path(engine_config.model).resolve()),
                     priority_scheduling=engine_config.scheduler.policy == "priority")
+
+
+async def _restart_replica(client: DPEngineClient, index: int, server: _Server) -> None:
+    """Restart data-parallel replica `index` each time its engine process exits; stop the server with status 1 when
+    a restart fails and no replica is left."""
+    replica = client.replicas[index]
+    while True:
+        reason = await replica.wait_exited()
+        if server.should_exit:
+            return
+        logger.error("replica %d: %s: starting a new engine process", index, reason)
+        try:
+            await client.restart_replica(index)
+        except EngineDeadError:  # shutting down meanwhile
+            return
+        except EngineStartError:
+            if client.is_alive:
+                logger.exception("replica %d failed to restart; the other replicas go on serving", index)
+                return
+            logger.exception("replica %d failed to restart and no replica is left: the server exits with status 1",
+                             index)
+            server.stop(1)
+            return
 
 
 class _Server(uvicorn.Server):
@@ -71,8 +102,18 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-async def _watch_engine(client: AsyncEngineClient, server: _Server, restart: bool) -> None:
-    """When the engine process exits: stop the server with status 1, or (`restart`) start a new engine."""
+async def _watch_engine(client: AsyncEngineClient | DPEngineClient, server: _Server, restart: bool) -> None:
+    """When the engine process exits: stop the server with status 1, or (`restart`) start a new engine. Data
+    parallelism: status 1 once every replica has exited; with `restart`, each replica is restarted as it exits."""
+    if isinstance(client, DPEngineClient):
+        if restart:
+            await asyncio.gather(*(_restart_replica(client, i, server) for i in range(len(client.replicas))))
+            return
+        reason = await client.wait_exited()
+        if not server.should_exit:
+            logger.error("%s: the server exits with status 1 (--restart-engine restarts the engine instead)", reason)
+            server.stop(1)
+        return
     while True:
         reason = await client.wait_exited()
         if server.should_exit:
@@ -97,7 +138,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, log_le
     0, or 1 after the engine process died (without --restart-engine)."""
     frontend = await build_frontend(engine_config, server_config)
     client = frontend.client
-    assert isinstance(client, AsyncEngineClient)
+    assert isinstance(client, AsyncEngineClient | DPEngineClient)
     watcher: asyncio.Task[None] | None = None
     try:
         lifecycle = Lifecycle(request_timeout_s=server_config.request_timeout_s,

@@ -4,7 +4,9 @@ The page is one self-contained HTML file with an inline script (no external asse
 `/status.json` every few seconds and draws its charts as inline SVG. The router's lifespan runs a background task
 that, every `interval_s`, refreshes the engine stats snapshot (waiting at most a moment: a long step never holds it
 up) and appends a history sample, so the charts have a past when the page is opened. Like `/metrics` and `/health`,
-both routes are open without the API key: they show counts and latencies, no request content.
+both routes are open without the API key: they show counts and latencies, no request content. With data
+parallelism the engine numbers are the replicas' sums and `data_parallel.replicas` lists each replica (engine
+process id, alive, requests in flight and routed).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from importlib import resources
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from deltaserve.engine.dp_client import DPEngineClient
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.entrypoints.server.status_board import StatusBoard
 
@@ -65,6 +68,9 @@ def status_router(frontend: Frontend, version: str, *, interval_s: float = 2.0) 
     @router.get("/status.json")
     async def status_json() -> JSONResponse:
         await frontend.metrics.refresh_engine_stats(frontend.client.get_stats)
-        return JSONResponse(board.to_json(engine_alive=frontend.client.is_alive), headers=_NO_CACHE)
+        body = board.to_json(engine_alive=frontend.client.is_alive)
+        if isinstance(frontend.client, DPEngineClient):  # the engine numbers above are the replicas' sums
+            body["data_parallel"] = {"replicas": frontend.client.replica_status()}
+        return JSONResponse(body, headers=_NO_CACHE)
 
     return router

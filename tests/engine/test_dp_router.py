@@ -1,0 +1,108 @@
+"""The data-parallel router (engine/dp_router.py) and the stats merge of the DP client: pure logic, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.engine.dp_client import merge_stats
+from deltaserve.engine.dp_router import Router
+from deltaserve.engine.stats import EngineStats
+
+B = 4  # tokens per block
+
+
+def prompt(first: int, blocks: int) -> list[int]:
+    return [first * 1000 + i for i in range(blocks * B)]
+
+
+def test_least_loaded_picks_the_fewest_in_flight_and_rotates_ties():
+    router = Router(3, block_size=B, session_affinity=False)
+    assert router.route(prompt(1, 2), [5, 2, 7]) == 1
+    picks = [router.route(prompt(1, 2), [0, 0, 0]) for _ in range(6)]
+    assert sorted(picks[:3]) == [0, 1, 2] and picks[3:] == picks[:3]  # a sequential client is spread out
+    assert router.route(prompt(1, 2), [None, 3, None]) == 1  # dead replicas are skipped
+    with pytest.raises(ValueError, match="every data-parallel replica is dead"):
+        router.route(prompt(1, 2), [None, None, None])
+
+
+def test_a_follow_up_that_extends_a_prompt_goes_to_the_same_replica():
+    router = Router(2, block_size=B)
+    first = prompt(1, 5)
+    owner = router.route(first, [0, 0])
+    other = 1 - owner
+    # The follow-up extends the first prompt; the other replica is now the less loaded one.
+    loads = [0, 0]
+    loads[owner] = 3
+    assert router.route(first + prompt(2, 3), loads) == owner
+    # An unrelated prompt goes to the least loaded replica.
+    assert router.route(prompt(3, 5), loads) == other
+
+
+def test_a_finished_sequence_is_remembered_with_its_output():
+    """The next turn of a chat starts with the previous prompt + answer: the key of that whole sequence, recorded
+    at finish, is the longest match (longer than any recorded prefix of the prompt alone)."""
+    router = Router(2, block_size=B, max_imbalance=0)
+    turn1 = prompt(1, 3)
+    r1 = router.route(turn1, [0, 0])
+    answer = prompt(2, 6)
+    router.finished(turn1 + answer, r1)
+    # A competing request, sent elsewhere by load, records the first prompt's first block there.
+    loads = [0, 0]
+    loads[r1] = 1
+    assert router.route(turn1[:B] + prompt(9, 3), loads) == 1 - r1
+    assert router.route(turn1[:B] + prompt(10, 3), [0, 0]) == 1 - r1
+    assert router.route(turn1 + answer + prompt(3, 2), [0, 0]) == r1
+
+
+def test_session_id_wins_over_prefixes_and_load_limits_affinity():
+    router = Router(2, block_size=B, max_imbalance=2)
+    a = router.route(prompt(1, 2), [0, 0], session_id="alice")
+    assert router.route(prompt(7, 2), [0, 0] if a == 1 else [1, 0], session_id="alice") == a
+    loads = [0, 0]
+    loads[a] = 2  # within max_imbalance of the other: still affine
+    assert router.route(prompt(8, 2), loads, session_id="alice") == a
+    loads[a] = 3  # beyond it: the least loaded replica, which owns the session from now on
+    assert router.route(prompt(8, 2), loads, session_id="alice") == 1 - a
+    assert router.route(prompt(8, 2), [0, 0], session_id="alice") == 1 - a
+
+
+def test_forget_drops_a_dead_replicas_entries_and_sessions_move():
+    router = Router(2, block_size=B)
+    a = router.route(prompt(1, 4), [0, 0], session_id="s")
+    assert router.owners()[a] > 0
+    dropped = router.forget(a)
+    assert dropped > 0 and router.owners()[a] == 0
+    loads: list[int | None] = [0, 0]
+    loads[a] = None
+    b = router.route(prompt(1, 4), loads, session_id="s")
+    assert b == 1 - a
+    # Revived later: the session stays where it went.
+    assert router.route(prompt(1, 4), [5, 5], session_id="s") == b
+
+
+def test_maps_are_bounded_least_recently_used():
+    router = Router(2, block_size=B, max_entries=8)
+    for i in range(50):
+        router.route(prompt(i, 3), [0, 0], session_id=f"s{i}")
+    assert sum(router.owners().values()) <= 16
+
+
+def test_short_prompts_have_no_prefix_key():
+    router = Router(2, block_size=B)
+    assert router.block_keys([1, 2, 3]) == []
+    assert len(router.block_keys(list(range(9)))) == 2
+    assert router.block_keys(list(range(8))) == router.block_keys(list(range(9)))
+
+
+def stats(**kw: object) -> EngineStats:
+    base = dict(num_running=1, num_waiting=2, kv_blocks_used=3, kv_blocks_total=10, state_slots_used=1,
+                state_slots_total=4, prefix_queried_tokens=100, prefix_hit_tokens=40, num_preemptions=1, steps=7)
+    return EngineStats(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_merge_stats_adds_every_field():
+    merged = merge_stats([stats(spec_accepted_per_pos=(1, 2)), stats(steps=3, spec_accepted_per_pos=(5,))])
+    assert merged.num_running == 2 and merged.kv_blocks_total == 20 and merged.steps == 10
+    assert merged.prefix_hit_tokens == 80 and merged.spec_accepted_per_pos == (6, 2)
+    with pytest.raises(ValueError):
+        merge_stats([])
