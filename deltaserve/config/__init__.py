@@ -3,11 +3,13 @@
 from deltaserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_memory
 from deltaserve.config.fields import ConfigError
 from deltaserve.config.model import ActivationConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
+from deltaserve.config.parallel_check import check_parallel
 from deltaserve.config.quantization import QuantizationConfig
 from deltaserve.config.server import ServerConfig
 from deltaserve.config.speculative import SpeculativeConfig
 
 __all__ = [
+    "check_parallel",
     "ActivationConfig",
     "CacheConfig",
     "ConfigError",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.planner import plan_cache
 from deltaserve.cache.spec import StateCacheSpec
-from deltaserve.config import EngineConfig, ModelConfig, parse_memory
+from deltaserve.config import EngineConfig, ModelConfig, check_parallel, parse_memory
 from deltaserve.engine.hooks import GrammarHook, ProposerHook, StepHook
 from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.stats import EngineStats
@@ -61,6 +61,7 @@ class EngineCore:
         self.model_config = ModelConfig.from_pretrained(config.model)
         model_limit = self.model_config.max_model_len
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
+        check_parallel(self.model_config, config.parallel)  # before any worker starts
         self.executor: Executor = make_executor(config)
         try:
             if proposer is None and config.speculative_config is not None:
@@ -118,10 +119,19 @@ class EngineCore:
             max_num_seqs=max_num_seqs, num_blocks=cc.num_blocks, num_slots=cc.num_state_slots,
         )
         needed = layout.total_bytes + reserved
-        if needed > available:  # checked before allocating: a cache larger than memory takes the machine down
-            raise ValueError(f"the cache needs {needed / 2**30:.2f} GiB (cache_memory={cc.cache_memory!r}, "
+        # CPU ranks share this host's memory (each allocates its own cache); a GPU rank has its own device.
+        sharing = self.config.parallel.world_size if info.device == "cpu" else 1
+        if needed * sharing > available:  # checked before allocating: a cache larger than memory takes the host down
+            ranks = f" x {sharing} ranks" if sharing > 1 else ""
+            raise ValueError(f"the cache needs {needed / 2**30:.2f} GiB{ranks} (cache_memory={cc.cache_memory!r}, "
                              f"num_blocks={cc.num_blocks}, num_state_slots={cc.num_state_slots}) but only "
                              f"{available / 2**30:.2f} GiB are free on {info.device}")
+        logger.info("per rank (%d rank(s)): weights %.1f MiB, %d KV blocks %.1f MiB, %d state slots %.1f MiB "
+                    "(%d running, %d checkpoint, %d scratch; %.1f KiB each)", self.config.parallel.world_size,
+                    info.weight_bytes / 2**20, layout.num_blocks, layout.num_blocks * layout.bytes_per_block / 2**20,
+                    layout.num_slots + num_ckpt + num_scratch,
+                    (layout.num_slots + num_ckpt + num_scratch) * per_slot / 2**20,
+                    layout.num_slots, num_ckpt, num_scratch, per_slot / 2**10)
         self.executor.initialize_cache(layout, layout.num_slots + num_ckpt + num_scratch)
         self.cache = CacheManager(
             num_blocks=layout.num_blocks, num_slots=layout.num_slots, block_size=cc.block_size,

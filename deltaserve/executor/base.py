@@ -26,13 +26,23 @@ class WorkerInfo:
     """Free memory of the worker's device, after loading the model."""
     device: str
     """Where the model lives ('cpu', 'cuda:0')."""
+    weight_bytes: int = 0
+    """Bytes of this rank's parameters (its shard under tensor / expert parallelism), counted from the tensors."""
+
+
+def merge_infos(infos: list[WorkerInfo]) -> WorkerInfo:
+    """One report for the core from every rank's: rank 0's specs, the smallest free memory, the largest weights."""
+    first = infos[0]
+    return WorkerInfo(cache_specs=first.cache_specs, device=first.device,
+                      available_memory_bytes=min(i.available_memory_bytes for i in infos),
+                      weight_bytes=max(i.weight_bytes for i in infos))
 
 
 class Executor(Protocol):
     """Runs the model for the engine core. Every method is called from the core's thread, one at a time."""
 
     def describe(self) -> WorkerInfo:
-        """What the workers loaded (the smallest free memory of all ranks)."""
+        """What the workers loaded (the smallest free memory and the largest weights of all ranks)."""
         ...
 
     def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:

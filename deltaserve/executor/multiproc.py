@@ -22,7 +22,7 @@ from typing import Any
 
 from deltaserve.cache.planner import CacheLayout
 from deltaserve.config import EngineConfig
-from deltaserve.executor.base import WorkerDiedError, WorkerInfo
+from deltaserve.executor.base import WorkerDiedError, WorkerInfo, merge_infos
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,7 @@ class MultiprocExecutor:
     # -- the Executor protocol -----------------------------------------------------------------------------------
 
     def describe(self) -> WorkerInfo:
-        first = self._infos[0]
-        return WorkerInfo(cache_specs=first.cache_specs, device=first.device,
-                          available_memory_bytes=min(i.available_memory_bytes for i in self._infos))
+        return merge_infos(self._infos)
 
     def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
         self._call("initialize_cache", layout, num_slots)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 
@@ -66,7 +67,9 @@ class Worker:
 
     def describe(self) -> WorkerInfo:
         return WorkerInfo(cache_specs=tuple(self.model.cache_specs()),
-                          available_memory_bytes=available_memory_bytes(self.device), device=str(self.device))
+                          available_memory_bytes=available_memory_bytes(self.device), device=str(self.device),
+                          weight_bytes=sum(t.numel() * t.element_size()
+                                           for t in itertools.chain(self.model.parameters(), self.model.buffers())))
 
     def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
         self.runner = ModelRunner(self.model, num_blocks=layout.num_blocks, block_size=layout.block_size,
