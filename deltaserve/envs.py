@@ -26,3 +26,14 @@ def ops_backend() -> str:
     """`DELTASERVE_OPS_BACKEND`: forces op backends (parsed by `deltaserve.ops.dispatch`): `ref` for every op, or
     per op `kda_prefill=ref,mla_decode=flash`. Empty by default (each op picks its first capable backend)."""
     return os.environ.get("DELTASERVE_OPS_BACKEND", "").strip()
+
+
+def ray_address() -> str | None:
+    """`RAY_ADDRESS` (Ray's own variable): the cluster the 'ray' executor joins when `--ray-address` is not given."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def deltaserve_variables() -> dict[str, str]:
+    """Every `DELTASERVE_*` variable set here: what the Ray executor passes on to its actors, which start with the
+    environment of their node's `ray start`, possibly on another machine."""
+    return {name: value for name, value in os.environ.items() if name.startswith("DELTASERVE_")}
