@@ -156,7 +156,10 @@ class DPEngineClient:
 
     async def get_stats(self, *, reset_prefix_cache: bool = False) -> EngineStats:
         """Every live replica's fresh snapshot, added up with the counters of replicas that died (`merge_stats`);
-        `reset_prefix_cache` resets every live replica's. EngineDeadError when every replica is dead."""
+        `reset_prefix_cache` resets every live replica's (and the router's entries, which pointed at those caches).
+        EngineDeadError when every replica is dead."""
+        if reset_prefix_cache:
+            self.router.clear()
         live = [i for i, r in enumerate(self.replicas) if r.is_alive]
         results = await asyncio.gather(*(self.replicas[i].get_stats(reset_prefix_cache=reset_prefix_cache)
                                          for i in live), return_exceptions=True)

@@ -89,6 +89,11 @@ class Router:
             del self._sessions[session]
         return len(stale_prefixes) + len(stale_sessions)
 
+    def clear(self) -> None:
+        """Forget every entry (the replicas' prefix caches were reset)."""
+        self._prefixes.clear()
+        self._sessions.clear()
+
     def owners(self) -> collections.Counter[int]:
         """Entries (sessions and prefixes) per replica, for tests and the status page."""
         return collections.Counter([*self._prefixes.values(), *self._sessions.values()])

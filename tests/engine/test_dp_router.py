@@ -106,3 +106,10 @@ def test_merge_stats_adds_every_field():
     assert merged.prefix_hit_tokens == 80 and merged.spec_accepted_per_pos == (6, 2)
     with pytest.raises(ValueError):
         merge_stats([])
+
+
+def test_clear_forgets_everything():
+    router = Router(2, block_size=B)
+    router.route(prompt(1, 4), [0, 0], session_id="s")
+    router.clear()
+    assert not router.owners()

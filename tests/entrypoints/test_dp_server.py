@@ -194,3 +194,38 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_survivor_serves(tin
         assert server.process.poll() is None  # the server stays up
     finally:
         stop_server(server)
+
+
+def test_the_server_exits_with_status_1_once_every_replica_is_dead(tiny_dir, tmp_path_factory):
+    server = start_server(tiny_dir("base"), tmp_path_factory.mktemp("dp-all-dead"), *ARGS, "--data-parallel-size",
+                          "2")
+    try:
+        first, second = replicas(server)
+        os.kill(first["pid"], signal.SIGKILL)
+        wait_for("the first replica reported dead", lambda: not replicas(server)[0]["alive"])
+        assert server.process.poll() is None  # one replica left: still serving
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        os.kill(second["pid"], signal.SIGKILL)
+        assert server.process.wait(timeout=DEADLINE_S) == 1
+    finally:
+        stop_server(server)
+
+
+def test_restart_engine_restarts_a_dead_replica(tiny_dir, tmp_path_factory):
+    server = start_server(tiny_dir("base"), tmp_path_factory.mktemp("dp-restart"), *ARGS, "--data-parallel-size",
+                          "2", "--restart-engine")
+    try:
+        old = replicas(server)[1]["pid"]
+        os.kill(old, signal.SIGKILL)
+        wait_for("a new engine process for replica 1",
+                 lambda: (r := replicas(server)[1])["alive"] and r["pid"] != old)
+        client = sdk(server)
+        before = routed(server)
+        for i in range(2):  # both replicas serve again (least loaded, ties rotate)
+            resp = client.completions.create(model=server.model, prompt=f"Restarted {i}", max_tokens=4,
+                                             temperature=0)
+            assert resp.usage.completion_tokens >= 1
+        assert [a - b for a, b in zip(routed(server), before, strict=True)] == [1, 1]
+        assert server.process.poll() is None
+    finally:
+        stop_server(server)
