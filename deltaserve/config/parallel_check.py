@@ -14,6 +14,9 @@ def check_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     """ValueError naming the first model field that `tensor_parallel_size` (or the expert-parallel size) does not
     divide: KDA and MLA heads, the dense and expert widths, the routed experts."""
     tp = parallel.tensor_parallel_size
+    if parallel.num_redundant_experts > model.moe.num_experts:
+        raise ValueError(f"num_redundant_experts={parallel.num_redundant_experts} exceeds n_routed_experts="
+                         f"{model.moe.num_experts}")
     if tp == 1:
         return
     kinds = set(model.layer_kinds)

@@ -11,6 +11,7 @@ import torch
 from deltaserve.cache.planner import CacheLayout
 from deltaserve.config import EngineConfig
 from deltaserve.distributed import init_parallel_group
+from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.executor.base import WorkerInfo
 from deltaserve.layers.linear import prepack_weights
 from deltaserve.models.loader import load_model
@@ -55,8 +56,10 @@ class Worker:
         if world > 1 and distributed_init_method is None:
             raise ValueError(f"{world} ranks need a distributed_init_method")
         self.group = init_parallel_group(rank, world, distributed_init_method or "", config.device)
+        par = config.parallel
+        eplb = EPLBSettings(par.num_redundant_experts, par.eplb_step_interval) if par.enable_eplb else None
         self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device,
-                                tp=self.group, expert_parallel=config.parallel.enable_expert_parallel)
+                                tp=self.group, expert_parallel=par.enable_expert_parallel, eplb=eplb)
         backends = dispatch.log_backends()  # which kernels serve each op here, once
         if on_cpu and backends["linear"][0] != dispatch.REF and isinstance(self.model, torch.nn.Module):
             packed = prepack_weights(self.model)

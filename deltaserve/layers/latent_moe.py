@@ -11,8 +11,10 @@ from torch import nn
 
 from deltaserve.config import ActivationConfig, MoEConfig, QuantizationConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard, split_along
+from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.layers.expert_placement import ExpertPlacement
 from deltaserve.layers.linear import Linear, NormWeight
-from deltaserve.layers.moe import ExpertPlacement, GatedMLP, gated_activation, route_tokens
+from deltaserve.layers.moe import GatedMLP, gated_activation, route_tokens
 from deltaserve.layers.mxfp4_linear import MXFP4Linear
 from deltaserve.ops.moe import moe_experts
 from deltaserve.ops.mxfp4 import BLOCK_SIZE, MXFP4Tensor, mxfp4_linear
@@ -30,7 +32,7 @@ class LatentMoE(nn.Module):
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, act: ActivationConfig, rms_norm_eps: float,
                  dtype: torch.dtype, quantization: QuantizationConfig | None, mxfp8_activations: bool = False, *,
-                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
+                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
         """`quantization` None: dense routed experts in `dtype`; else MXFP4 in its `layout`. `mxfp8_activations`
         rounds the expert GEMM inputs through MXFP8 (MXFP4 experts only). `tp`, `expert_parallel`: the routed
         experts are sharded or partitioned (`ExpertPlacement`; an MXFP4 shard keeps whole 32-value scale blocks) and
@@ -41,7 +43,7 @@ class LatentMoE(nn.Module):
             raise ValueError("LatentMoE needs MoEConfig.latent_size (routed_expert_hidden_size)")
         e, lat = cfg.num_experts, cfg.latent_size
         self.cfg, self.eps, self.quantization, self.tp = cfg, rms_norm_eps, quantization, tp
-        self.placement = place = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel)
+        self.placement = place = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel, eplb)
         n, i = place.num_local, place.intermediate_size
         if quantization is not None and i % BLOCK_SIZE:
             raise ValueError(f"moe_intermediate_size={cfg.intermediate_size} split over tensor_parallel_size="
@@ -116,11 +118,10 @@ class LatentMoE(nn.Module):
         named: dict[str, torch.Tensor | Shard | None] = {}
         for suffix, w13, w2, per_column in pairs:
             for e in range(self.cfg.num_experts):
-                local = e - place.first
-                held = place.is_local(e)
-                named[f"experts.{e}.w1.{suffix}"] = place.split(w13[local, 0::2], 0, full_i) if held else None
-                named[f"experts.{e}.w3.{suffix}"] = place.split(w13[local, 1::2], 0, full_i) if held else None
-                named[f"experts.{e}.w2.{suffix}"] = place.split(w2[local], 1, full_i // per_column) if held else None
+                j = place.local_slot(e)
+                named[f"experts.{e}.w1.{suffix}"] = None if j is None else place.split(w13[j, 0::2], 0, full_i)
+                named[f"experts.{e}.w3.{suffix}"] = None if j is None else place.split(w13[j, 1::2], 0, full_i)
+                named[f"experts.{e}.w2.{suffix}"] = None if j is None else place.split(w2[j], 1, full_i // per_column)
         return named
 
     def _gpt_oss_tensors(self, q13: MXFP4Linear, q2: MXFP4Linear) -> dict[str, torch.Tensor | Shard | None]:
@@ -136,6 +137,9 @@ class LatentMoE(nn.Module):
         }
         tp = self.tp
         if place.expert_parallel:
+            if place.eplb is not None and place.eplb.num_redundant_experts:
+                raise ValueError("EPLB with redundant experts needs per-expert checkpoint tensors, not the stacked "
+                                 "gpt-oss layout")
             return {name: Shard(t, 0, place.first, full_e) for name, (t, _, _) in tensors.items()}
         return {name: split_along(t, dim, full, tp.rank, tp.size) for name, (t, dim, full) in tensors.items()}
 
@@ -145,13 +149,16 @@ class LatentMoE(nn.Module):
         z = self.routed_expert_down_proj(x)  # [T, latent]
         w13: torch.Tensor | MXFP4Tensor
         w2: torch.Tensor | MXFP4Tensor
+        stacks: list[torch.Tensor]  # every tensor indexed by expert slot (EPLB moves them)
         if self.quantization is None:
             w13, w2 = self._dense_experts()
+            stacks = [w13, w2]
         else:
             q13, q2 = self._mxfp4_experts()
             w13, w2 = q13.weight, q2.weight
-        routed = moe_experts(z, w13, w2, weights, self.placement.local_ids(ids), act=self._act, linear=self._linear,
-                             fp32_combine=True)
+            stacks = [q13.weight_packed, q13.weight_scale, q2.weight_packed, q2.weight_scale]
+        routed = moe_experts(z, w13, w2, weights, self.placement.route(ids, stacks), act=self._act,
+                             linear=self._linear, fp32_combine=True)
         routed = self.tp.all_reduce(routed)  # the norm needs the whole latent sum
         if self.routed_expert_norm is not None:
             routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)

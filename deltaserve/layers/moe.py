@@ -11,6 +11,8 @@ from torch import nn
 
 from deltaserve.config import ActivationConfig, MoEConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard, shard_range, split_along
+from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.layers.expert_placement import ExpertPlacement
 from deltaserve.layers.linear import pack_parameter
 from deltaserve.ops.activation import silu_and_mul, situ_and_mul
 from deltaserve.ops.linear import can_pack, linear, pack
@@ -70,44 +72,6 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: to
     )
 
 
-class ExpertPlacement:
-    """Which routed experts this rank computes, and of each what width.
-
-    Tensor parallelism (`expert_parallel=False`): every rank holds all `E` experts, `I / tp.size` of each one's
-    intermediate width. Expert parallelism: rank r holds `E / tp.size` whole experts (`[r * E/n, (r+1) * E/n)`);
-    the tokens are on every rank already (attention is tensor-parallel), so dispatch is choosing the (token, expert)
-    pairs of local experts (`local_ids`) and combine is the sum over ranks the layer does anyway."""
-
-    def __init__(self, num_experts: int, intermediate_size: int, tp: ParallelGroup, expert_parallel: bool,
-                 device: torch.device | None = None) -> None:
-        self.tp, self.num_experts, self.full_intermediate_size = tp, num_experts, intermediate_size
-        self.expert_parallel = expert_parallel and tp.size > 1
-        if self.expert_parallel:
-            self.first, self.num_local = shard_range(num_experts, tp.rank, tp.size, "n_routed_experts")
-            self.intermediate_size = intermediate_size
-        else:
-            self.first, self.num_local = 0, num_experts
-            self.intermediate_size = shard_range(intermediate_size, tp.rank, tp.size, "moe_intermediate_size")[1]
-        # Global expert id -> local index, -1 for another rank's expert (the experts op skips those pairs).
-        expert_map = torch.full((num_experts,), -1, dtype=torch.long, device=device)
-        expert_map[self.first:self.first + self.num_local] = torch.arange(self.num_local, device=device)
-        self.expert_map = expert_map
-
-    def is_local(self, expert: int) -> bool:
-        return self.first <= expert < self.first + self.num_local
-
-    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Routed ids [T, k] -> local expert indices, -1 where another rank holds the expert."""
-        return self.expert_map[ids] if self.expert_parallel else ids
-
-    def split(self, target: torch.Tensor, dim: int, full: int) -> torch.Tensor | Shard:
-        """Checkpoint target of one expert's tensor whose intermediate width lies along `dim` (`full` long in the
-        checkpoint): a tensor-parallel rank's slice, or the whole tensor under expert parallelism."""
-        if self.expert_parallel:
-            return target
-        return split_along(target, dim, full, self.tp.rank, self.tp.size)
-
-
 class MoE(nn.Module):
     """Sigmoid router with correction bias (fp32), grouped top-k, experts grouped by expert, plus shared experts.
 
@@ -116,11 +80,11 @@ class MoE(nn.Module):
     ranks in one all-reduce."""
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, dtype: torch.dtype, *, tp: ParallelGroup = SINGLE,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         e = cfg.num_experts
-        self.placement = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel)
+        self.placement = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel, eplb)
         n, i = self.placement.num_local, self.placement.intermediate_size
         # Router weight and selection bias stay fp32 (transformers keeps them in fp32 too).
         self.gate_weight = nn.Parameter(torch.empty(e, hidden_size, dtype=torch.float32), requires_grad=False)
@@ -144,10 +108,10 @@ class MoE(nn.Module):
         w13, w2 = self.w13, self.w2
         assert isinstance(w13, nn.Parameter) and isinstance(w2, nn.Parameter), "the stacks are loaded before prepack"
         for e in range(self.cfg.num_experts):
-            local = e - place.first
-            for name, target, dim in (("w1", w13[local, :i] if place.is_local(e) else None, 0),
-                                      ("w3", w13[local, i:] if place.is_local(e) else None, 0),
-                                      ("w2", w2[local] if place.is_local(e) else None, 1)):
+            j = place.local_slot(e)
+            for name, target, dim in (("w1", None if j is None else w13[j, :i], 0),
+                                      ("w3", None if j is None else w13[j, i:], 0),
+                                      ("w2", None if j is None else w2[j], 1)):
                 named[f"experts.{e}.{name}.weight"] = None if target is None else place.split(target, dim, full)
         if self.shared_experts is not None:
             for name, t in self.shared_experts.checkpoint_tensors().items():
@@ -160,6 +124,8 @@ class MoE(nn.Module):
         w13, w2 = self.w13, self.w2
         if not (isinstance(w13, nn.Parameter) and isinstance(w2, nn.Parameter) and can_pack(w13[0])):
             return 0
+        if self.placement.eplb is not None:
+            return 0  # EPLB moves expert weights between ranks: they stay plain stacks
         del self.w13, self.w2  # registered as parameters: a module attribute cannot change kind in place
         self.w13, self.w2 = (nn.ParameterList(nn.Parameter(pack(w), requires_grad=False) for w in stack)
                              for stack in (w13, w2))
@@ -170,7 +136,8 @@ class MoE(nn.Module):
         # The stacks as loaded take `F.linear` (the grouped-GEMM path accepts those); per-expert packed weights after
         # `prepack` take the packed `ops.linear`.
         packed = isinstance(self.w13, nn.ParameterList)
-        y = moe_experts(x, self.w13, self.w2, weights, self.placement.local_ids(ids),
+        stacks = [self.w13, self.w2] if isinstance(self.w13, nn.Parameter) and isinstance(self.w2, nn.Parameter) else []
+        y = moe_experts(x, self.w13, self.w2, weights, self.placement.route(ids, stacks),
                         linear=linear if packed else F.linear)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

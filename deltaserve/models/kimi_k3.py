@@ -16,6 +16,7 @@ from deltaserve import envs
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard
+from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.layers.attn_res import AttnResWeights, BlockAttnRes
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
@@ -41,7 +42,7 @@ class K3DecoderLayer(nn.Module):
     Block AttnRes (`forward_attn_res`)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, mxfp8_activations: bool,
-                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> None:
+                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
         super().__init__()
         d, self.eps, self.layer_id = config.hidden_size, config.rms_norm_eps, layer_id
         self.input_layernorm = NormWeight(d, dtype)
@@ -60,7 +61,7 @@ class K3DecoderLayer(nn.Module):
         if self.is_moe:
             self.mlp: LatentMoE | GatedMLP = LatentMoE(config.moe, d, config.activation, self.eps, dtype,
                                                        config.quantization, mxfp8_activations, tp=tp,
-                                                       expert_parallel=expert_parallel)
+                                                       expert_parallel=expert_parallel, eplb=eplb)
         else:
             self.mlp = GatedMLP(d, config.intermediate_size, dtype, act=gated_activation(config.activation), tp=tp)
         self.attn_res = config.attn_res_block_size is not None
@@ -99,7 +100,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  mxfp8_activations: bool | None = None, *, tp: ParallelGroup = SINGLE,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
         """`mxfp8_activations`: round MXFP4 expert GEMM inputs through MXFP8; None reads
         `DELTASERVE_MXFP8_ACTIVATIONS`. `tp`, `expert_parallel`: as `KimiLinearForCausalLM`."""
         super().__init__()
@@ -108,7 +109,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
         d = config.hidden_size
         self.vocab = VocabShard(config.vocab_size, tp)
         self.embed_tokens = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(K3DecoderLayer(config, i, dtype, mxfp8, tp, expert_parallel)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i, dtype, mxfp8, tp, expert_parallel, eplb)
                                     for i in range(config.num_hidden_layers))
         self.norm = NormWeight(d, dtype)
         if config.attn_res_block_size is not None:

@@ -12,6 +12,7 @@ from torch import nn
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard
+from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
 from deltaserve.layers.linear import NormWeight, pack_parameter
@@ -50,7 +51,7 @@ class DecoderLayer(nn.Module):
     """h += Mixer(RMSNorm(h)); h += FFN(RMSNorm(h))  (model-spec §2.1)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
         super().__init__()
         d, self.eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = NormWeight(d, dtype)
@@ -61,7 +62,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = MLAttention(config.mla, d, dtype, tp=tp)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
-            self.mlp: MoE | GatedMLP = MoE(config.moe, d, dtype, tp=tp, expert_parallel=expert_parallel)
+            self.mlp: MoE | GatedMLP = MoE(config.moe, d, dtype, tp=tp, expert_parallel=expert_parallel, eplb=eplb)
         else:
             self.mlp = GatedMLP(d, config.intermediate_size, dtype, tp=tp)
 
@@ -84,7 +85,7 @@ class KimiLinearForCausalLM(nn.Module):
     """The whole text model. `forward` runs one flattened step; `compute_logits` the LM head on chosen rows."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, *, tp: ParallelGroup = SINGLE,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
         """`tp`: this rank's share of the heads, widths and vocabulary (one rank: the whole model);
         `expert_parallel`: routed experts partitioned whole over the ranks instead of each one sharded."""
         super().__init__()
@@ -92,7 +93,7 @@ class KimiLinearForCausalLM(nn.Module):
         d = config.hidden_size
         self.vocab = VocabShard(config.vocab_size, tp)
         self.embed_tokens = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, tp, expert_parallel)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, tp, expert_parallel, eplb)
                                     for i in range(config.num_hidden_layers))
         self.norm = NormWeight(d, dtype)
         if not config.tie_word_embeddings:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard
+from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.models.protocol import Model
 from deltaserve.models.registry import model_class
 
@@ -113,12 +114,13 @@ def _is_float(safetensors_dtype: str) -> bool:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", *,
-               tp: ParallelGroup = SINGLE, expert_parallel: bool = False) -> Model:
+               tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> Model:
     """Config -> model class -> weights, in `dtype` (gate/router/decay parameters stay fp32). With `tp` of several
-    ranks, this rank's shard of the model (`expert_parallel`: whole routed experts partitioned over the ranks)."""
+    ranks, this rank's shard of the model (`expert_parallel`: whole routed experts partitioned over the ranks,
+    `eplb`: with load-balanced redundant copies)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     with torch.device(device):
-        model = model_class(config)(config, dtype=dtype, tp=tp, expert_parallel=expert_parallel)
+        model = model_class(config)(config, dtype=dtype, tp=tp, expert_parallel=expert_parallel, eplb=eplb)
     load_weights(model, path)
     return model.eval()

@@ -16,6 +16,7 @@ from torch import nn
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import ParallelGroup, Shard
+from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 
 CacheSpec = KVCacheSpec | StateCacheSpec
@@ -63,4 +64,4 @@ class ModelClass(Protocol):
     """A model class as the registry returns it: built from the config, in a dtype, on the current default device."""
 
     def __call__(self, config: ModelConfig, dtype: torch.dtype = ..., *, tp: ParallelGroup = ...,
-                 expert_parallel: bool = ...) -> Model: ...
+                 expert_parallel: bool = ..., eplb: EPLBSettings | None = ...) -> Model: ...
