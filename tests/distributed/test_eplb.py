@@ -1,5 +1,6 @@
 """Expert-parallel load balancing: the placement algorithm, a MoE layer rebalanced during a run over two real gloo
-ranks (outputs those of one rank up to the order of the ranks' sum, slots changed, weights moved), and EP2 + EPLB through the engine."""
+ranks (outputs those of one rank up to the order of the ranks' sum, slots changed, weights moved), and EP2 + EPLB
+through the engine."""
 
 from __future__ import annotations
 
