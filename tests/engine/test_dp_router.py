@@ -25,33 +25,51 @@ def test_least_loaded_picks_the_fewest_in_flight_and_rotates_ties():
         router.route(prompt(1, 2), [None, None, None])
 
 
-def test_a_follow_up_that_extends_a_prompt_goes_to_the_same_replica():
-    router = Router(2, block_size=B)
+def test_a_follow_up_that_extends_a_prompt_goes_to_the_same_replica_while_the_match_is_worth_the_load():
+    router = Router(2, block_size=B, tokens_per_request=B)  # one request of imbalance per matched block
     first = prompt(1, 5)
     owner = router.route(first, [0, 0])
     other = 1 - owner
-    # The follow-up extends the first prompt; the other replica is now the less loaded one.
     loads = [0, 0]
-    loads[owner] = 3
+    loads[owner] = 5  # five blocks matched: worth five requests more than the other replica
     assert router.route(first + prompt(2, 3), loads) == owner
-    # An unrelated prompt goes to the least loaded replica.
-    assert router.route(prompt(3, 5), loads) == other
+    assert router.route(prompt(3, 5), loads) == other  # unrelated: the least loaded
+    loads[owner] = 6
+    assert router.route(first + prompt(4, 3), loads) == other  # not worth six
 
 
 def test_a_finished_sequence_is_remembered_with_its_output():
     """The next turn of a chat starts with the previous prompt + answer: the key of that whole sequence, recorded
-    at finish, is the longest match (longer than any recorded prefix of the prompt alone)."""
-    router = Router(2, block_size=B, max_imbalance=0)
-    turn1 = prompt(1, 3)
-    r1 = router.route(turn1, [0, 0])
-    answer = prompt(2, 6)
-    router.finished(turn1 + answer, r1)
-    # A competing request, sent elsewhere by load, records the first prompt's first block there.
+    at finish, is a longer match than the prompt's own keys (worth more load)."""
+    turn1, answer = prompt(1, 3), prompt(2, 6)
+    follow_up = turn1 + answer + prompt(3, 2)
+    picks = []
+    for record_finish in (True, False):
+        router = Router(2, block_size=B, tokens_per_request=B)
+        r1 = router.route(turn1, [0, 0])
+        if record_finish:
+            router.finished(turn1 + answer, r1)
+        loads = [0, 0]
+        loads[r1] = 5  # more than the 3 blocks of the prompt are worth, less than the 9 of prompt + answer
+        picks.append(router.route(follow_up, loads) == r1)
+    assert picks == [True, False]
+
+
+def test_a_shared_system_prompt_spreads_sessions_over_the_replicas():
+    """New sessions that share only a short system prompt pile on its replica only while that is worth the load;
+    once one goes elsewhere both replicas hold the prompt and the next ones take the less loaded. Each session's
+    follow-up then returns to its own replica."""
+    router = Router(2, block_size=B, tokens_per_request=2 * B)
+    system = prompt(0, 2)  # two blocks: worth one request of imbalance
     loads = [0, 0]
-    loads[r1] = 1
-    assert router.route(turn1[:B] + prompt(9, 3), loads) == 1 - r1
-    assert router.route(turn1[:B] + prompt(10, 3), [0, 0]) == 1 - r1
-    assert router.route(turn1 + answer + prompt(3, 2), [0, 0]) == r1
+    owners = []
+    for s in range(4):
+        r = router.route(system + prompt(s + 1, 2), loads)
+        loads[r] += 1
+        owners.append(r)
+    assert owners == [0, 0, 1, 1] and loads == [2, 2]
+    for s in range(4):
+        assert router.route(system + prompt(s + 1, 2) + prompt(9, 1), loads) == owners[s]
 
 
 def test_session_id_wins_over_prefixes_and_load_limits_affinity():
