@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         executor_overhead,
         followup,
         http_overhead,
+        memory_plan,
         offline,
+        parallel,
         serve,
         spec,
         sweep,
@@ -170,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     followup.add_parser(bench_sub)
     http_overhead.add_parser(bench_sub)
     executor_overhead.add_parser(bench_sub)
+    parallel.add_parser(bench_sub)
+    memory_plan.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     sweep.add_parser(bench_sub)
     spec.add_parser(bench_sub)

@@ -42,7 +42,7 @@ class ExpertPlacement:
             self.intermediate_size = shard_range(intermediate_size, tp.rank, tp.size, "moe_intermediate_size")[1]
         self.slots = initial_placement(num_experts, redundant)
         """Physical slot -> expert id, over all ranks (rank r's slots are `[r * num_local, (r + 1) * num_local)`)."""
-        self.load = torch.zeros(num_experts, dtype=torch.long)
+        self.load = torch.zeros(num_experts, dtype=torch.long, device="cpu")
         """(Pair, expert) counts since the last rebalancing (EPLB only)."""
         self.forwards = 0
         self.rebalances = 0
@@ -54,10 +54,11 @@ class ExpertPlacement:
         for slot, e in enumerate(self.slots):
             copies[e].append(slot)
         width = max(len(c) for c in copies)
-        self.copy_table = torch.tensor([c + c[:1] * (width - len(c)) for c in copies])  # [E, max copies]
-        self.copy_count = torch.tensor([len(c) for c in copies])
-        slot_local = torch.full((len(self.slots),), -1, dtype=torch.long)
-        slot_local[self.first:self.first + self.num_local] = torch.arange(self.num_local)
+        # Host tensors whatever the default device (a model is built under `torch.device(...)`); `route` moves them.
+        self.copy_table = torch.tensor([c + c[:1] * (width - len(c)) for c in copies], device="cpu")  # [E, copies]
+        self.copy_count = torch.tensor([len(c) for c in copies], device="cpu")
+        slot_local = torch.full((len(self.slots),), -1, dtype=torch.long, device="cpu")
+        slot_local[self.first:self.first + self.num_local] = torch.arange(self.num_local, device="cpu")
         self.slot_local = slot_local
 
     def local_slot(self, expert: int) -> int | None:
