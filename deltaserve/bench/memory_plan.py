@@ -106,6 +106,7 @@ def run(args: MemoryPlanArgs) -> dict[str, Any]:
                          f"({usable / 1e9:.1f} GB): more ranks or expert parallelism needed")
     layout = plan_cache(specs, budget_bytes=budget, block_size=16, max_num_seqs=args.max_num_seqs)
     contexts = [int(c) for c in args.context_tokens.split(",")]
+    sequences = {c: budget // (c * kv_per_token + state_per_seq) for c in contexts}
     world = tp * args.data_parallel_size
     result = {
         "args": asdict(args), "ranks": world, "expert_parallel_size": ep,
@@ -114,7 +115,7 @@ def run(args: MemoryPlanArgs) -> dict[str, Any]:
         "kv_bytes_per_token_per_rank": kv_per_token, "state_mib_per_sequence_per_rank": state_per_seq / 2**20,
         "cache_budget_gb_per_rank": budget / 1e9, "planner_state_slots": layout.num_slots,
         "planner_kv_tokens": layout.num_blocks * layout.block_size,
-        "sequences_at_context": {c: budget // (c * kv_per_token + state_per_seq) for c in contexts},
+        "sequences_at_context": sequences,
     }
     print(f"{world} ranks (TP{tp}{f' x DP{args.data_parallel_size}' if args.data_parallel_size > 1 else ''}"
           f"{f' x EP{ep}' if args.enable_expert_parallel else ''}), {args.gpu_memory_gib:g} GB each:")
@@ -125,7 +126,7 @@ def run(args: MemoryPlanArgs) -> dict[str, Any]:
     print(f"  per token            {kv_per_token:8d} B of MLA KV; per sequence {state_per_seq / 2**20:.1f} MiB of "
           "KDA state (recurrent + conv)")
     print(f"  planner              {layout.num_slots} state slots, {layout.num_blocks * 16:,} KV tokens")
-    for c, n in result["sequences_at_context"].items():
+    for c, n in sequences.items():
         print(f"  at {c:>9,} tokens   {n:6d} concurrent sequences per replica")
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(result, indent=2))
