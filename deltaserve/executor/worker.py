@@ -55,10 +55,16 @@ class Worker:
             torch.set_num_threads(max(1, (config.num_threads or default_num_threads()) // world))
         if world > 1 and distributed_init_method is None:
             raise ValueError(f"{world} ranks need a distributed_init_method")
-        self.group = init_parallel_group(rank, world, distributed_init_method or "", config.device)
+        device = config.device
+        if device == "cuda" and world > 1:
+            # A GPU per rank: the rank's index among the GPUs this process sees (Ray shows each actor its own as
+            # cuda:0; a multiprocess worker sees them all). NCCL needs the current device set before joining.
+            device = f"cuda:{rank % torch.cuda.device_count()}"
+            torch.cuda.set_device(device)
+        self.group = init_parallel_group(rank, world, distributed_init_method or "", device)
         par = config.parallel
         eplb = EPLBSettings(par.num_redundant_experts, par.eplb_step_interval) if par.enable_eplb else None
-        self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device,
+        self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=device,
                                 tp=self.group, expert_parallel=par.enable_expert_parallel, eplb=eplb)
         backends = dispatch.log_backends()  # which kernels serve each op here, once
         if on_cpu and backends["linear"][0] != dispatch.REF and isinstance(self.model, torch.nn.Module):
