@@ -28,6 +28,13 @@ def ops_backend() -> str:
     return os.environ.get("DELTASERVE_OPS_BACKEND", "").strip()
 
 
+def cuda_visible_devices() -> list[str] | None:
+    """`CUDA_VISIBLE_DEVICES` as a list of device ids (None when unset): the GPUs data-parallel replicas are placed
+    on, `tensor_parallel_size` each, in order."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [d.strip() for d in value.split(",") if d.strip()]
+
+
 def ray_address() -> str | None:
     """`RAY_ADDRESS` (Ray's own variable): the cluster the 'ray' executor joins when `--ray-address` is not given."""
     return os.environ.get("RAY_ADDRESS") or None

@@ -18,6 +18,7 @@ one with the same config behind the same client object.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -25,7 +26,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -92,9 +93,11 @@ class AsyncEngineClient:
     """One engine process and the routing of its outputs (an `EngineClient`). Create with
     `await AsyncEngineClient.start(config)`; all methods must be called from the event loop that started it."""
 
-    def __init__(self, *, config: EngineConfig, channel: _Channel, startup_timeout_s: float = 600) -> None:
+    def __init__(self, *, config: EngineConfig, channel: _Channel, startup_timeout_s: float = 600,
+                 env: Mapping[str, str] | None = None) -> None:
         self.config = config
         self._startup_timeout_s = startup_timeout_s
+        self._env = dict(env or {})
         self._loop = asyncio.get_running_loop()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineOutput)
@@ -141,12 +144,15 @@ class AsyncEngineClient:
     # -- start ---------------------------------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, config: EngineConfig, *, startup_timeout_s: float = 600) -> AsyncEngineClient:
-        """Spawn the engine process and wait until it has loaded the model.
+    async def start(cls, config: EngineConfig, *, startup_timeout_s: float = 600,
+                    env: Mapping[str, str] | None = None) -> AsyncEngineClient:
+        """Spawn the engine process (with `env` added to its environment: a data-parallel replica's GPUs) and wait
+        until it has loaded the model.
 
         Raises EngineStartError with the engine's error when it fails, dies or is not ready within the timeout.
         """
-        return cls(config=config, channel=await _spawn(config, startup_timeout_s), startup_timeout_s=startup_timeout_s)
+        return cls(config=config, channel=await _spawn(config, startup_timeout_s, env or {}),
+                   startup_timeout_s=startup_timeout_s, env=env)
 
     async def restart(self) -> None:
         """Start a new engine process (same config) after the previous one exited; its requests have already
@@ -156,7 +162,7 @@ class AsyncEngineClient:
         if self._dead_reason is None:
             raise RuntimeError("the engine process is still running")
         self._detach()
-        channel = await _spawn(self.config, self._startup_timeout_s)
+        channel = await _spawn(self.config, self._startup_timeout_s, self._env)
         if self._closing:  # shut down while the new engine started: it is not wanted
             _close_channel(channel)
             raise EngineDeadError("the engine is shutting down")
@@ -354,8 +360,9 @@ class AsyncEngineClient:
         self._exited.set()
 
 
-async def _spawn(config: EngineConfig, startup_timeout_s: float) -> _Channel:
-    """Spawn an engine process and wait for its `Ready` (EngineStartError on failure, death or timeout)."""
+async def _spawn(config: EngineConfig, startup_timeout_s: float, env: Mapping[str, str]) -> _Channel:
+    """Spawn an engine process with `env` added to its environment and wait for its `Ready` (EngineStartError on
+    failure, death or timeout)."""
     socket_dir = tempfile.mkdtemp(prefix="deltaserve-")
     input_address, output_address = f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output"
     ctx = zmq.Context()
@@ -373,7 +380,8 @@ async def _spawn(config: EngineConfig, startup_timeout_s: float) -> _Channel:
         name="deltaserve-engine", daemon=True,
     )
     try:
-        process.start()
+        with _environment(env):  # a spawned child starts with this process's environment as it is now
+            process.start()
         info = await _wait_ready(output_socket, process, startup_timeout_s)
     except BaseException:
         input_socket.close()
@@ -383,6 +391,21 @@ async def _spawn(config: EngineConfig, startup_timeout_s: float) -> _Channel:
         raise
     logger.info("engine process %d ready: %s", process.pid, info)
     return _Channel(process, ctx, input_socket, output_socket, socket_dir, info)
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """`env` set in this process's environment for the block (no await inside: nothing else runs meanwhile)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _close_channel(channel: _Channel) -> None:

@@ -2,7 +2,9 @@
 
 Each replica is an `AsyncEngineClient` (client.py): an engine process of its own with its own workers, cache and
 prefix cache, started from the same `EngineConfig` with `data_parallel_size=1` and, on a CPU, its share of the
-engine threads (`num_threads // N`, at least one). A request is routed once, when its iteration starts, by the
+engine threads (`num_threads // N`, at least one); with `device='cuda'` (and the 'uni' or 'mp' executor) replica i
+sees only its own `tensor_parallel_size` GPUs, the i-th group of `CUDA_VISIBLE_DEVICES` (or of 0, 1, ...), through
+its process's `CUDA_VISIBLE_DEVICES` (`replica_env`). A request is routed once, when its iteration starts, by the
 `Router` (dp_router.py: session- or prefix-affine, else least loaded) and then streams from its replica exactly
 as from a single engine; `abort` goes to the replica that holds the request.
 
@@ -25,6 +27,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 
+from deltaserve import envs
 from deltaserve.config import EngineConfig
 from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.engine.dp_router import Router
@@ -35,7 +38,7 @@ from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.utils.cpu_threads import default_num_threads
 
-__all__ = ["DPEngineClient", "merge_stats", "replica_config"]
+__all__ = ["DPEngineClient", "merge_stats", "replica_config", "replica_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,24 @@ def replica_config(config: EngineConfig) -> EngineConfig:
         threads = max(1, (threads or default_num_threads()) // replicas)
     return dataclasses.replace(config, num_threads=threads,
                                parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
+
+
+def replica_env(config: EngineConfig, index: int) -> dict[str, str]:
+    """Environment of replica `index`'s engine process: on `device='cuda'` its own GPUs (`CUDA_VISIBLE_DEVICES`:
+    the index-th group of `tensor_parallel_size` ids of this process's list, or of 0, 1, ... without one), so that
+    its ranks find theirs as cuda:0, cuda:1, ...; nothing otherwise ('cuda:N' puts every replica on N; Ray gives
+    its actors their GPUs itself). ValueError when the list has too few GPUs."""
+    if config.device != "cuda" or config.parallel.executor_backend == "ray":
+        return {}
+    per_replica = config.parallel.world_size
+    visible = envs.cuda_visible_devices()
+    needed = per_replica * config.parallel.data_parallel_size
+    if visible is None:
+        visible = [str(i) for i in range(needed)]
+    if len(visible) < needed:
+        raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size} x tensor_parallel_size="
+                         f"{per_replica} needs {needed} GPUs but CUDA_VISIBLE_DEVICES lists {len(visible)}")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(visible[index * per_replica:(index + 1) * per_replica])}
 
 
 def merge_stats(parts: Sequence[EngineStats]) -> EngineStats:
@@ -102,10 +123,12 @@ class DPEngineClient:
         Raises the first replica's EngineStartError (the others are shut down)."""
         replicas = config.parallel.data_parallel_size
         one = replica_config(config)
-        logger.info("starting %d data-parallel engine replicas (%s threads each, routing: %s)", replicas,
-                    one.num_threads, config.parallel.load_balance_method)
-        results = await asyncio.gather(*(AsyncEngineClient.start(one, startup_timeout_s=startup_timeout_s)
-                                         for _ in range(replicas)), return_exceptions=True)
+        placements = [replica_env(config, i) for i in range(replicas)]
+        logger.info("starting %d data-parallel engine replicas (%s threads each, routing: %s%s)", replicas,
+                    one.num_threads, config.parallel.load_balance_method,
+                    "".join(f"; replica {i}: {env}" for i, env in enumerate(placements) if env))
+        results = await asyncio.gather(*(AsyncEngineClient.start(one, startup_timeout_s=startup_timeout_s, env=env)
+                                         for env in placements), return_exceptions=True)
         started = [r for r in results if isinstance(r, AsyncEngineClient)]
         failures = [r for r in results if not isinstance(r, AsyncEngineClient)]
         if failures:

@@ -1,10 +1,10 @@
-"""The data-parallel router (engine/dp_router.py) and the stats merge of the DP client: pure logic, no engine."""
+"""The data-parallel router (engine/dp_router.py) and the DP client's pure parts: stats merge, replica configs."""
 
 from __future__ import annotations
 
 import pytest
 
-from deltaserve.engine.dp_client import merge_stats
+from deltaserve.engine.dp_client import merge_stats, replica_config, replica_env
 from deltaserve.engine.dp_router import Router
 from deltaserve.engine.stats import EngineStats
 
@@ -131,3 +131,33 @@ def test_clear_forgets_everything():
     router.route(prompt(1, 4), [0, 0], session_id="s")
     router.clear()
     assert not router.owners()
+
+
+def config(**kw: object):
+    from deltaserve.config import EngineConfig, ParallelConfig
+
+    parallel = {k: v for k, v in kw.items() if k in ("data_parallel_size", "tensor_parallel_size",
+                                                     "distributed_executor_backend")}
+    rest = {k: v for k, v in kw.items() if k not in parallel}
+    return EngineConfig(model="/nonexistent", parallel=ParallelConfig(**parallel), **rest)  # type: ignore[arg-type]
+
+
+def test_replica_config_splits_the_cpu_threads_and_is_one_replica():
+    one = replica_config(config(data_parallel_size=2, num_threads=5))
+    assert one.num_threads == 2 and one.parallel.data_parallel_size == 1
+    assert replica_config(config(data_parallel_size=4, num_threads=2)).num_threads == 1
+    assert replica_config(config(data_parallel_size=2, device="cuda")).num_threads is None
+
+
+def test_replica_env_gives_each_replica_its_own_gpus(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert replica_env(config(data_parallel_size=2), 1) == {}  # a CPU
+    cuda = config(data_parallel_size=2, tensor_parallel_size=2, device="cuda")
+    assert [replica_env(cuda, i) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "0,1"},
+                                                        {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert replica_env(cuda, 1) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    assert replica_env(config(data_parallel_size=2, device="cuda:1"), 1) == {}  # an explicit device for all
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    with pytest.raises(ValueError, match="needs 4 GPUs but CUDA_VISIBLE_DEVICES lists 3"):
+        replica_env(cuda, 1)
