@@ -30,7 +30,8 @@ from tests.helpers import prompt_ids
 
 ray = pytest.importorskip("ray")
 
-from deltaserve.executor.ray_executor import RayExecutor, check_reachable  # noqa: E402  (needs ray)
+from deltaserve.executor import ray_executor  # noqa: E402  (needs ray)
+from deltaserve.executor.ray_executor import RayExecutor, check_reachable  # noqa: E402
 
 REQUESTS = {
     "greedy": (prompt_ids(600, 40, seed=1), SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)),
@@ -121,9 +122,10 @@ def test_tp2_on_a_ray_cluster_equals_mp(tiny_dir, cluster, monkeypatch):
     check_reachable(cluster)  # still up
 
 
-def test_failed_call_then_killed_actor(tiny_dir, cluster):
-    """A worker's exception is a WorkerError with its traceback, and the next step runs; a SIGKILLed actor (rank 1
-    of 2) is a WorkerDiedError naming it, raised instead of waiting on the rank still alive, and stays one."""
+def test_failed_call_then_killed_actor(tiny_dir, cluster, monkeypatch):
+    """A worker's exception is a WorkerError with its traceback, and the next step runs (its call through the object
+    store, as a large one goes); a SIGKILLed actor (rank 1 of 2) is a WorkerDiedError naming it, raised instead of
+    waiting on the rank still alive, and stays one."""
     core = EngineCore(config(str(tiny_dir("base")), "ray", tp=2, ray_address=cluster))
     executor = core.executor
     assert isinstance(executor, RayExecutor)
@@ -132,7 +134,9 @@ def test_failed_call_then_killed_actor(tiny_dir, cluster):
             executor._call("no_such_method")
         assert "Traceback" in failed.value.traceback and "no_such_method" in failed.value.traceback
         core.add_request("r", prompt_ids(600, 20, seed=4), SamplingParams(temperature=0.0, max_tokens=50))
-        assert core.step() is not None  # the actors lived on
+        monkeypatch.setattr(ray_executor, "INLINE_CALL_BYTES", 0)
+        assert core.step()[0].new_token_ids  # the actors lived on
+        monkeypatch.undo()
         pid = executor.pids[1]
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError, match=rf"worker 1 \(pid {pid} on .*\) died"):
