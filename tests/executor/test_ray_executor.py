@@ -1,6 +1,7 @@
 """The Ray executor: outputs identical to the in-process executor (TP=1, on a local Ray instance it starts) and to the
 multiprocess one (TP=2, joining a running cluster); a failed call is a WorkerError and the actors live on; a killed
-actor is a WorkerDiedError naming its rank (never a hang); an unreachable cluster address is a one-line error.
+actor is a WorkerDiedError naming its rank (never a hang); an unreachable cluster address, ranks the cluster cannot
+place and a missing Ray are one-line errors.
 
 One Ray cluster serves the module (`ray start --head --block` in a subprocess, stopped by its pid); only the TP=1
 test starts (and stops) a Ray instance of its own, to cover that path."""
@@ -173,3 +174,20 @@ def test_unreachable_ray_address_is_a_one_line_error(tiny_dir):
     assert re.fullmatch(rf"deltaserve serve: error: .*cannot reach the Ray cluster at {closed}: [^\n]*",
                         done.stderr.strip().splitlines()[-1])
     assert "site-packages/ray" not in done.stderr  # the engine logs its own start-up traceback, none of Ray's
+
+
+def test_ranks_beyond_the_cluster_are_a_one_line_error(tiny_dir, cluster):
+    """CUDA ranks on a cluster without GPUs: a RuntimeError saying what is missing, at once (no wait for a placement
+    that cannot happen), and the executor disconnects from the cluster it joined."""
+    cfg = EngineConfig(model=str(tiny_dir("base")), device="cuda",
+                       parallel=ParallelConfig(distributed_executor_backend="ray", ray_address=cluster))
+    with pytest.raises(RuntimeError, match=r"^1 rank\(s\) need 1 GPU\(s\), but the Ray cluster has 0 ") as refused:
+        EngineCore(cfg)
+    assert "\n" not in str(refused.value)
+    assert not ray.is_initialized()
+
+
+def test_without_ray_installed_the_backend_is_a_one_line_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ValueError, match=r"needs Ray, which is not installed: pip install 'deltaserve\[ray\]'"):
+        ray_executor.import_ray()
