@@ -215,7 +215,8 @@ class RayExecutor:
             except RayActorError as e:
                 raise self._died(rank, e) from None
             except RayTaskError as e:  # Ray's own failure to run the call (e.g. to deserialise it)
-                status, value, trace = "error", f"{type(e.cause).__name__}: {_first_line(e)}", str(e)
+                cause = e.cause if isinstance(e.cause, BaseException) else e
+                status, value, trace = "error", f"{type(cause).__name__}: {_first_line(cause)}", str(e)
             if status == "error":
                 errors[rank] = WorkerError(f"worker {rank}: {value}", trace)
             results[rank] = value
@@ -240,10 +241,11 @@ def import_ray() -> Any:
 
 
 def connect(address: str | None, world_size: int) -> bool:
-    """Connect this process to Ray: the cluster at `address` ('auto', 'HOST:PORT', 'ray://HOST:PORT'), or a new
-    local instance when `address` is None or 'local'. True when this call connected (so `shutdown` disconnects,
-    which for a local instance stops it); False when the process was connected already. A cluster that does not
-    answer within `CONNECT_TIMEOUT_S`, or refuses us, is a one-line ConnectionError naming the address."""
+    """Connect this process to Ray: the cluster at `address` ('auto', 'HOST:PORT', or 'ray://HOST:PORT' with
+    `ray[client]` installed), or a new local instance when `address` is None or 'local'. True when this call
+    connected (so `shutdown` disconnects, which for a local instance stops it); False when the process was
+    connected already. A cluster that does not answer within `CONNECT_TIMEOUT_S`, or refuses us, is a one-line
+    ConnectionError naming the address."""
     ray = import_ray()
     if ray.is_initialized():
         logger.info("Ray is already initialised in this process: using its cluster")
