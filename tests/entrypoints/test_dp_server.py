@@ -81,6 +81,10 @@ def test_concurrent_requests_are_all_served_by_both_replicas_with_the_outputs_of
     after = routed(dp2)
     assert sum(after) - sum(before) == len(PROMPTS)
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)  # both replicas served
+    metrics = httpx.get(f"{dp2.url}/metrics", timeout=10).text
+    for i, n in enumerate(after):
+        assert f'deltaserve:dp_replica_requests_routed_total{{model_name="tiny",replica="{i}"}} {float(n)}' in metrics
+        assert f'deltaserve:dp_replica_alive{{model_name="tiny",replica="{i}"}} 1.0' in metrics
     dp1 = start_server(tiny_dir("base"), tmp_path_factory.mktemp("dp1"), *ARGS)
     try:
         assert texts == greedy_texts(dp1)
@@ -191,6 +195,8 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_survivor_serves(tin
         after = routed(server)
         assert after[0] == before[0] and after[1] - before[1] == 4
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert 'deltaserve:dp_replica_alive{model_name="tiny",replica="0"} 0.0' in httpx.get(
+            f"{server.url}/metrics", timeout=10).text
         assert server.process.poll() is None  # the server stays up
     finally:
         stop_server(server)

@@ -47,6 +47,7 @@ from deltaserve.entrypoints.server.errors import ApiError, validation_message
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.entrypoints.server.json_body import parse_json_object
 from deltaserve.entrypoints.server.lifecycle import AdmissionGate, Lifecycle
+from deltaserve.entrypoints.server.metrics import ReplicaCollector
 from deltaserve.entrypoints.server.status import status_router
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,8 @@ def build_app(frontend: Frontend, lifecycle: Lifecycle | None = None) -> FastAPI
         await frontend.metrics.refresh_engine_stats(frontend.client.get_stats)  # the last snapshot during a long step
         return Response(generate_latest(frontend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if isinstance(frontend.client, DPEngineClient):
+        frontend.metrics.registry.register(ReplicaCollector(frontend.model_name, frontend.client.replica_status))
     app.include_router(status_router(frontend, VERSION))  # /status, /status.json
     return app
 

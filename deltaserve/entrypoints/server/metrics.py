@@ -4,7 +4,8 @@ Request latencies are observed here, where the tokens reach the client; engine g
 lengths, pool usage, prefix-cache tokens, preemptions) come from the last engine stats snapshot the API process
 holds (`EngineStatsSnapshot`): a scrape waits a moment for a fresh one and otherwise serves the last, so it never
 waits for a long engine step (`deltaserve:engine_stats_age_seconds` says how old it is). Every HTTP answer of 400 or
-more, unhandled 500s included, is also counted by kind in `deltaserve:request_errors`. Each server owns its
+more, unhandled 500s included, is also counted by kind in `deltaserve:request_errors`. With data parallelism the
+engine metrics are the replicas' sums and `deltaserve:dp_replica_*` describe each replica. Each server owns its
 registry, so several apps can live in one process (tests).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -115,6 +116,29 @@ class _EngineStatsCollector:
         yield gauge("engine_stats_age_seconds", "Age of the engine stats snapshot these engine metrics come from.",
                     self.snapshot.age_s or 0.0)
         yield from _spec_decode_counters(s, labels)
+
+
+class ReplicaCollector:
+    """Per data-parallel replica: alive, requests in flight, requests routed (`DPEngineClient.replica_status`)."""
+
+    def __init__(self, model_name: str, replicas: Callable[[], Sequence[dict[str, Any]]]) -> None:
+        self.model_name = model_name
+        self.replicas = replicas
+
+    def collect(self):  # noqa: ANN201 - prometheus collector protocol
+        labels = ["model_name", "replica"]
+        alive = GaugeMetricFamily("deltaserve:dp_replica_alive", "1 while the replica's engine process runs.",
+                                  labels=labels)
+        in_flight = GaugeMetricFamily("deltaserve:dp_replica_requests_in_flight",
+                                      "Requests the router sent to the replica that have not ended.", labels=labels)
+        routed = CounterMetricFamily("deltaserve:dp_replica_requests_routed", "Requests the router sent to the "
+                                     "replica.", labels=labels)
+        for r in self.replicas():
+            key = [self.model_name, str(r["replica"])]
+            alive.add_metric(key, 1.0 if r["alive"] else 0.0)
+            in_flight.add_metric(key, r["in_flight"])
+            routed.add_metric(key, r["routed"])
+        yield from (alive, in_flight, routed)
 
 
 def _spec_decode_counters(s: Any, labels: list[str]):  # noqa: ANN202 - yields metric families
