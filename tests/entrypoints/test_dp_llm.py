@@ -36,3 +36,22 @@ def test_llm_data_parallel_gives_the_greedy_outputs_of_one_engine(tiny_dir, monk
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert [o.outputs[0].text for o in out] == [o.outputs[0].text for o in ref]
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref[:2]]
+
+
+def test_llm_data_parallel_replicas_can_be_tensor_parallel(tiny_dir, monkeypatch: pytest.MonkeyPatch):
+    """DP=2 x TP=2 (two engine processes, each with two gloo worker ranks) gives the greedy outputs of one TP=2
+    engine."""
+    # Each rank gets the threads of a rank of the reference TP=2 engine (whose worker processes use the default).
+    cores = dp_client.default_num_threads()
+    monkeypatch.setattr(dp_client, "default_num_threads", lambda: 2 * cores)
+    path = str(tiny_dir("base"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model=path, max_model_len=512, data_parallel_size=2, tensor_parallel_size=2)
+    try:
+        out = llm.generate(PROMPTS[:6], params)
+        routed = list(llm.client.routed)
+    finally:
+        llm.shutdown()
+    assert sum(routed) == 6 and min(routed) > 0
+    ref = LLM(model=path, max_model_len=512, tensor_parallel_size=2).generate(PROMPTS[:6], params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
