@@ -67,10 +67,10 @@ class KDAttention(nn.Module):
         tp, full_p = self.tp, self.cfg.proj_dim
         a_dim = 2 if len(self.a_log_full_shape) == 4 else 0  # [1, 1, H, 1] or K3's flat [128]
         named: dict[str, torch.Tensor | Shard] = {
-            "f_b_proj.weight": self.f_b_proj.checkpoint_tensors()["weight"],
             "A_log": self.A_log if tp.size == 1 else Shard(self.A_log, a_dim, self.head_start,
                                                            self.a_log_full_shape[a_dim]),
             "dt_bias": split_along(self.dt_bias, 0, full_p, tp.rank, tp.size),
+            "f_b_proj.weight": self.f_b_proj.checkpoint_tensors()["weight"],
         }
         if not self.cfg.use_full_rank_gate:
             named["g_b_proj.weight"] = self.g_b_proj.checkpoint_tensors()["weight"]
