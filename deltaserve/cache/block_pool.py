@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 _epochs = itertools.count()
@@ -55,7 +55,10 @@ class _Block:
 class BlockPool:
     """Block ids 0..num_blocks-1 and the hash table of cached prefix blocks."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int,
+                 on_evict: Callable[[int, tuple[int, tuple[int, ...] | None]], None] | None = None) -> None:
+        """`on_evict(block, key)`: called when a cached block is evicted to be reused, before anything writes it;
+        `key` is (chain hash, None) for a full block, (parent hash, tokens) for a partial one."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -65,6 +68,7 @@ class BlockPool:
         self._by_hash: dict[int, int] = {}
         self._partials: dict[int, dict[tuple[int, ...], int]] = {}  # parent hash -> tokens -> block
         self.num_evictions = 0
+        self.on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -85,8 +89,12 @@ class BlockPool:
                 b = self._free_plain.popleft()
             else:
                 b, _ = self._free_cached.popitem(last=False)
+                rec = self._blocks[b]
+                key = (rec.full_hash, None) if rec.full_hash is not None else rec.partial_key
                 self._uncache(b)
                 self.num_evictions += 1
+                if self.on_evict is not None and key is not None:
+                    self.on_evict(b, key)
             self._blocks[b].ref = 1
             out.append(b)
         return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.cache.block_hash import chain_hashes, parent_hash
 from deltaserve.cache.block_pool import BlockList, BlockPool
+from deltaserve.cache.host_tier import BlockKey, HostCopies, HostTier
 from deltaserve.cache.prefix_index import Checkpoint, CheckpointIndex, CheckpointKey
 from deltaserve.cache.state_pool import CHECKPOINT, RUNNING, SCRATCH, StatePool
 from deltaserve.request import Request
@@ -31,16 +32,31 @@ class _Holding:
     """Scratch slots of this step's proposed tokens: scratch[i] gets the state after i + 1 of the step's tokens."""
 
 
+@dataclass(frozen=True, slots=True)
+class HostRef:
+    """An entry of the host tier: its id there and its key (for pinning while it is copied back)."""
+
+    host_id: int
+    key: BlockKey | CheckpointKey
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefixHit:
-    """The longest reusable prefix of a request: blocks and a checkpoint, both for exactly `length` tokens."""
+    """The longest reusable prefix of a request: blocks and a checkpoint, both for exactly `length` tokens, each on
+    the device or in the host tier."""
 
     length: int = 0
-    blocks: tuple[int, ...] = ()
-    """Cached full blocks covering [0, length // block_size * block_size)."""
-    partial_block: int | None = None
+    blocks: tuple[int | HostRef, ...] = ()
+    """Cached full blocks covering [0, length // block_size * block_size): device block ids, or host-tier entries
+    (copied into new device blocks)."""
+    partial_block: int | HostRef | None = None
     """Cached block whose first length % block_size rows continue the prefix (copied, never written)."""
-    checkpoint: Checkpoint | None = None
+    checkpoint: Checkpoint | HostRef | None = None
+
+    @property
+    def uses_host(self) -> bool:
+        """Whether any part comes from the host tier."""
+        return any(isinstance(x, HostRef) for x in (*self.blocks, self.partial_block, self.checkpoint))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +84,16 @@ class PrefixCacheStats:
     """KV blocks currently findable by hash (not cumulative)."""
     block_evictions: int
     checkpoint_evictions: int
+    host_hit_tokens: int = 0
+    """Tokens of the hits that needed the host tier (counted in hit_tokens too)."""
+    host_blocks: int = 0
+    """Blocks the host tier holds (not cumulative)."""
+    host_checkpoints: int = 0
+    """Checkpoints the host tier holds (not cumulative)."""
+    host_blocks_demoted: int = 0
+    host_checkpoints_demoted: int = 0
+    host_blocks_promoted: int = 0
+    host_checkpoints_promoted: int = 0
 
 
 class CacheManager:
@@ -75,14 +101,21 @@ class CacheManager:
 
     def __init__(self, *, num_blocks: int, num_slots: int, block_size: int, num_checkpoint_slots: int = 0,
                  bytes_per_slot: int = 0, enable_prefix_caching: bool = False,
-                 checkpoint_interval: int | None = None, num_scratch_slots: int = 0) -> None:
+                 checkpoint_interval: int | None = None, num_scratch_slots: int = 0, num_host_blocks: int = 0,
+                 num_host_slots: int = 0, block_bytes: int = 0) -> None:
+        """`num_host_blocks`, `num_host_slots`: the host tier (L2) that evicted blocks and checkpoints go to (0: no
+        host tier; prefix caching only). `block_bytes`, `bytes_per_slot`: sizes, for byte counts in metrics."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.checkpoint_interval = checkpoint_interval
-        self.bytes_per_slot = bytes_per_slot
-        self.blocks = BlockPool(num_blocks)
+        self.bytes_per_slot, self.block_bytes = bytes_per_slot, block_bytes
+        on = enable_prefix_caching and num_host_blocks > 0
+        self.host = HostTier(num_host_blocks if on else 0, num_host_slots if on else 0)
+        self.blocks = BlockPool(num_blocks, on_evict=self._demote_block if on else None)
         self.slots = StatePool(num_slots, num_checkpoint_slots if enable_prefix_caching else 0, num_scratch_slots)
-        self.checkpoints = CheckpointIndex(self.slots)
+        self.checkpoints = CheckpointIndex(self.slots, on_evict=self._demote_checkpoint if on else None)
+        self._host_copies = HostCopies()
+        self._host_hit = 0
         self._held: dict[str, _Holding] = {}
         self._hashes: dict[str, list[int]] = {}
         self._block_copies: list[tuple[int, int, int]] = []
@@ -121,30 +154,63 @@ class CacheManager:
         None for a request with `skip_prefix_cache`."""
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return PrefixHit()
-        bs, limit = self.block_size, request.num_tokens - 1
+        bs, limit, host = self.block_size, request.num_tokens - 1, self.host
         hashes = self.hashes(request, limit // bs)
-        blocks: list[int] = []
+        blocks: list[int | HostRef] = []
         for h in hashes:
-            b = self.blocks.lookup(h)
+            b: int | HostRef | None = self.blocks.lookup(h)
+            if b is None and host.enabled:
+                hb = host.full_block(h)
+                b = None if hb is None else HostRef(hb, (h, None))
             if b is None:
                 break
             blocks.append(b)
         for j in range(len(blocks), -1, -1):
             parent = parent_hash(hashes, j)
-            best: tuple[int, int, Checkpoint] | None = None
-            for tokens, block in self.blocks.lookup_partials(parent).items():
+            partials: dict[tuple[int, ...], int | HostRef] = {}
+            if host.enabled:
+                partials.update({t: HostRef(hb, (parent, t)) for t, hb in host.partial_blocks(parent).items()})
+            partials.update(self.blocks.lookup_partials(parent))  # the device copy when both hold one
+            best: tuple[int, int | HostRef, Checkpoint | HostRef] | None = None
+            for tokens, block in partials.items():
                 length = j * bs + len(tokens)
                 if length > limit or (best and len(tokens) <= best[0] - j * bs):
                     continue
-                ckpt = self.checkpoints.get((parent, tokens))
+                ckpt = self._checkpoint((parent, tokens))
                 if ckpt is not None and tuple(request.token_slice(j * bs, length)) == tokens:
                     best = (length, block, ckpt)
             if best is not None:
                 return PrefixHit(length=best[0], blocks=tuple(blocks[:j]), partial_block=best[1], checkpoint=best[2])
-            ckpt = self.checkpoints.get((parent, ())) if j else None
+            ckpt = self._checkpoint((parent, ())) if j else None
             if ckpt is not None:
                 return PrefixHit(length=j * bs, blocks=tuple(blocks[:j]), checkpoint=ckpt)
         return PrefixHit()
+
+    def _checkpoint(self, key: CheckpointKey) -> Checkpoint | HostRef | None:
+        """The checkpoint at `key`: on the device, else in the host tier."""
+        ckpt = self.checkpoints.get(key)
+        if ckpt is not None or not self.host.enabled:
+            return ckpt
+        entry = self.host.checkpoint(key)
+        return None if entry is None else HostRef(entry.host_id, key)
+
+    # -- the host tier ---------------------------------------------------------------------------------------------
+
+    def _demote_block(self, block: int, key: BlockKey) -> None:
+        """A cached device block is being evicted: copy it to the host tier first (unless it is there already)."""
+        host_id = self.host.store_block(key)
+        if host_id is not None:
+            self._host_copies.blocks_out.append((block, host_id))
+
+    def _demote_checkpoint(self, ckpt: Checkpoint) -> None:
+        host_id = self.host.store_checkpoint(ckpt.key, ckpt.length)
+        if host_id is not None:
+            self._host_copies.states_out.append((ckpt.slot, host_id))
+
+    def take_host_copies(self) -> HostCopies | None:
+        """This step's copies to and from the host tier (None when there are none); see `HostCopies`."""
+        out, self._host_copies = self._host_copies, HostCopies()
+        return out if out else None
 
     # -- allocation ----------------------------------------------------------------------------------------------
 
@@ -163,25 +229,54 @@ class CacheManager:
                 held.blocks.extend(self.blocks.allocate(need) or [])
             return True
         hit = hit or PrefixHit()
-        reused = list(hit.blocks) + ([hit.partial_block] if hit.partial_block is not None else [])
+        reused = [b for b in (*hit.blocks, hit.partial_block) if isinstance(b, int)]
+        on_device = sum(1 for b in hit.blocks if isinstance(b, int))
         pinned_free = sum(1 for b in set(reused) if self.blocks.is_free(b))
-        need = self.blocks_for(num_tokens) - len(hit.blocks)
+        need = self.blocks_for(num_tokens) - on_device
         if need > self.blocks.num_free - pinned_free or self.slots.num_free == 0:
             return False
         for b in reused:
             self.blocks.touch(b)
+        # Pinned before allocating: the device blocks allocated next may demote others into the host tier, which
+        # must not evict what this hit is about to copy back.
+        for ref in (*hit.blocks, hit.partial_block):
+            if isinstance(ref, HostRef):
+                self.host.pin_block(ref.key)
+        if isinstance(hit.checkpoint, HostRef):
+            self.host.pin_checkpoint(hit.checkpoint.key)  # type: ignore[arg-type]  # a CheckpointKey here
         slot = self.slots.take(RUNNING)
-        held = self._held[request_id] = _Holding(slot=slot, blocks=BlockList(hit.blocks),
-                                                 num_registered=len(hit.blocks))
-        held.blocks.extend(self.blocks.allocate(need) or [])
-        if hit.partial_block is not None:
-            self._block_copies.append((hit.partial_block, held.blocks[len(hit.blocks)], hit.length % self.block_size))
-            self._step_blocks.append(hit.partial_block)
-        if hit.checkpoint is not None:
-            self._state_copies.append((hit.checkpoint.slot, slot))
+        held = self._held[request_id] = _Holding(slot=slot, num_registered=len(hit.blocks))
+        self._use_hit(held, hit, self.blocks.allocate(need) or [])
+        return True
+
+    def _use_hit(self, held: _Holding, hit: PrefixHit, fresh: list[int]) -> None:
+        """Fill a new holding's block list from `hit` and `fresh` blocks, queueing the copies the hit needs: host-tier
+        blocks into fresh device blocks (findable there again), the partial block and the checkpoint into the
+        request's own block and slot."""
+        bs, copies = self.block_size, self._host_copies
+        for cached in hit.blocks:
+            if isinstance(cached, int):
+                held.blocks.append(cached)
+                continue
+            dev = fresh.pop(0)
+            copies.blocks_in.append((cached.host_id, dev, bs))
+            self.blocks.cache_full(dev, cached.key[0])
+            held.blocks.append(dev)
+        held.blocks.extend(fresh)
+        part, first_own = hit.partial_block, len(hit.blocks)
+        if isinstance(part, int):
+            self._block_copies.append((part, held.blocks[first_own], hit.length % bs))
+            self._step_blocks.append(part)
+        elif part is not None:
+            copies.blocks_in.append((part.host_id, held.blocks[first_own], hit.length % bs))
+        if isinstance(hit.checkpoint, Checkpoint):
+            self._state_copies.append((hit.checkpoint.slot, held.slot))
             hit.checkpoint.pins += 1
             self._step_checkpoints.append(hit.checkpoint)
-        return True
+        elif hit.checkpoint is not None:
+            copies.states_in.append((hit.checkpoint.host_id, held.slot))
+        if hit.uses_host:
+            self._host_hit += hit.length
 
     def record_query(self, num_prompt_tokens: int, hit_tokens: int) -> None:
         self._queried += num_prompt_tokens
@@ -199,6 +294,7 @@ class CacheManager:
         for ckpt in self._step_checkpoints:
             ckpt.pins -= 1
         self._step_blocks, self._step_checkpoints = [], []
+        self.host.end_step()
 
     # -- speculative steps ---------------------------------------------------------------------------------------
 
@@ -352,6 +448,7 @@ class CacheManager:
 
         Running requests keep what they hold; outputs do not change, later requests just miss. Returns
         (blocks uncached, checkpoints dropped)."""
+        self.host.clear()
         return self.blocks.reset_cache(), self.checkpoints.clear()
 
     def prefix_stats(self) -> PrefixCacheStats:
@@ -360,5 +457,8 @@ class CacheManager:
             queried_tokens=self._queried, hit_tokens=self._hit, checkpoints_stored=n,
             checkpoints_created=self.checkpoints.num_stored_total, checkpoint_bytes=n * self.bytes_per_slot,
             cached_blocks=self.blocks.num_cached, block_evictions=self.blocks.num_evictions,
-            checkpoint_evictions=self.checkpoints.num_evictions,
+            checkpoint_evictions=self.checkpoints.num_evictions, host_hit_tokens=self._host_hit,
+            host_blocks=len(self.host.blocks.entries), host_checkpoints=len(self.host.checkpoints.entries),
+            host_blocks_demoted=self.host.demoted_blocks, host_checkpoints_demoted=self.host.demoted_checkpoints,
+            host_blocks_promoted=self.host.promoted_blocks, host_checkpoints_promoted=self.host.promoted_checkpoints,
         )

@@ -20,6 +20,10 @@ class CacheLayout:
     block_size: int
     bytes_per_block: int
     bytes_per_slot: int
+    num_host_blocks: int = 0
+    """KV blocks of the host tier (L2; not device memory)."""
+    num_host_slots: int = 0
+    """State checkpoint slots of the host tier."""
 
     @property
     def total_bytes(self) -> int:

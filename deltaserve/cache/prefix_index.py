@@ -8,6 +8,7 @@ are evicted least recently used first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.cache.state_pool import CHECKPOINT, StatePool
@@ -28,8 +29,9 @@ class Checkpoint:
 class CheckpointIndex:
     """Key -> checkpoint, LRU order for eviction; slots come from the checkpoint share of the state pool."""
 
-    def __init__(self, pool: StatePool) -> None:
-        self.pool = pool
+    def __init__(self, pool: StatePool, on_evict: Callable[[Checkpoint], None] | None = None) -> None:
+        """`on_evict(checkpoint)`: called when a checkpoint is evicted to make room, before its slot is reused."""
+        self.pool, self.on_evict = pool, on_evict
         self._entries: OrderedDict[CheckpointKey, Checkpoint] = OrderedDict()  # least recently used first
         self.num_evictions = 0
         self.num_stored_total = 0
@@ -67,14 +69,16 @@ class CheckpointIndex:
     def clear(self) -> int:
         """Drop every unpinned checkpoint; returns how many were dropped."""
         n = 0
-        while self._evict_one():
+        while self._evict_one(demote=False):
             n += 1
         return n
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, demote: bool = True) -> bool:
         for key, entry in self._entries.items():
             if entry.pins == 0:
                 del self._entries[key]
+                if demote and self.on_evict is not None:
+                    self.on_evict(entry)
                 self.pool.free(entry.slot)
                 self.num_evictions += 1
                 return True

@@ -49,6 +49,12 @@ class CacheConfig:
     """Memory for prefix-cache state checkpoints: bytes ('512MiB') or a fraction of cache_memory ('0.25')."""
     num_checkpoint_slots: int | None = None
     """Override: exactly this many state checkpoint slots (0 keeps no checkpoints)."""
+    host_cache_memory: str | float | None = None
+    """Host memory for the prefix cache's host tier (L2), per rank: KV blocks and state checkpoints evicted from the
+    device go there instead of being dropped, and come back on a hit. Bytes ('8GiB') or a fraction of free host
+    memory ('0.25'); its checkpoint share is checkpoint_memory's fraction. None: no host tier."""
+    kv_offloading_size: float | None = None
+    """vLLM's name for the host tier's size, in GiB (host_cache_memory='<N>GiB')."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -65,6 +71,14 @@ class CacheConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         parse_memory(self.cache_memory, 1)  # the syntax, checked here rather than in the engine process
         parse_memory(self.checkpoint_memory, 1, "checkpoint_memory")
+        if self.kv_offloading_size is not None:
+            if self.host_cache_memory is not None:
+                raise ValueError("give host_cache_memory or kv_offloading_size, not both")
+            if not self.kv_offloading_size > 0:
+                raise ValueError(f"kv_offloading_size must be > 0 (GiB), got {self.kv_offloading_size}")
+            object.__setattr__(self, "host_cache_memory", f"{self.kv_offloading_size}GiB")
+        if self.host_cache_memory is not None:
+            parse_memory(self.host_cache_memory, 1, "host_cache_memory")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,6 +6,7 @@ sampler live in the workers behind an `Executor` (in this process by default, or
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.cache.planner import plan_cache
+from deltaserve.cache.planner import CacheLayout, plan_cache
 from deltaserve.cache.spec import StateCacheSpec
 from deltaserve.config import EngineConfig, ModelConfig, check_parallel, parse_memory
 from deltaserve.engine.hooks import GrammarHook, ProposerHook, StepHook
@@ -30,6 +31,7 @@ from deltaserve.spec_decode.metrics import SpecDecodeStats
 from deltaserve.spec_decode.proposer import Proposer
 from deltaserve.structured.manager import StructuredOutputManager
 from deltaserve.text.tokenizer import Tokenizer
+from deltaserve.utils.host_memory import available_host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class StepStats:
     steps: int = 0
     total_seconds: float = 0.0
     forward_seconds: float = 0.0
+    host_copy_seconds: float = 0.0
 
     @property
     def overhead_share(self) -> float:
@@ -118,6 +121,7 @@ class EngineCore:
             info.cache_specs, budget_bytes=max(budget - reserved, 0), block_size=cc.block_size,
             max_num_seqs=max_num_seqs, num_blocks=cc.num_blocks, num_slots=cc.num_state_slots,
         )
+        layout = self._plan_host_tier(layout, layout.total_bytes + reserved if info.device == "cpu" else 0)
         needed = layout.total_bytes + reserved
         # CPU ranks share this host's memory (each allocates its own cache); a GPU rank has its own device.
         sharing = self.config.parallel.world_size if info.device == "cpu" else 1
@@ -137,7 +141,30 @@ class EngineCore:
             num_blocks=layout.num_blocks, num_slots=layout.num_slots, block_size=cc.block_size,
             num_checkpoint_slots=num_ckpt, bytes_per_slot=per_slot, enable_prefix_caching=cc.enable_prefix_caching,
             checkpoint_interval=cc.state_checkpoint_interval, num_scratch_slots=num_scratch,
+            num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots,
+            block_bytes=layout.bytes_per_block,
         )
+
+    def _plan_host_tier(self, layout: CacheLayout, device_bytes_on_host: int) -> CacheLayout:
+        """`layout` with the host tier's sizes from `host_cache_memory` (per rank; its checkpoint share is
+        `checkpoint_memory`'s). `device_bytes_on_host`: what the device caches already take of host memory (CPU)."""
+        cc = self.config.cache
+        if cc.host_cache_memory is None or not cc.enable_prefix_caching:
+            return layout
+        free = available_host_bytes() - device_bytes_on_host * self.config.parallel.world_size
+        budget = parse_memory(cc.host_cache_memory, free, "host_cache_memory")
+        if budget * self.config.parallel.world_size > free:
+            raise ValueError(f"host_cache_memory={cc.host_cache_memory!r} needs {budget / 2**30:.2f} GiB per rank "
+                             f"but only {free / 2**30:.2f} GiB of host memory are free")
+        slots = parse_memory(cc.checkpoint_memory, budget, "checkpoint_memory") // layout.bytes_per_slot
+        blocks = (budget - slots * layout.bytes_per_slot) // layout.bytes_per_block
+        if blocks < 1 or slots < 1:
+            raise ValueError(f"host_cache_memory={cc.host_cache_memory!r} holds {blocks} KV block(s) and {slots} "
+                             "state checkpoint(s): at least one of each is needed")
+        logger.info("host tier (L2): %d KV blocks (%d tokens), %d state checkpoints, %.1f MiB per rank",
+                    blocks, blocks * layout.block_size, slots,
+                    (blocks * layout.bytes_per_block + slots * layout.bytes_per_slot) / 2**20)
+        return dataclasses.replace(layout, num_host_blocks=int(blocks), num_host_slots=int(slots))
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
@@ -236,6 +263,12 @@ class EngineCore:
             step_seconds=self.stats.total_seconds, forward_seconds=self.stats.forward_seconds,
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=tuple(spec.accepted_per_pos),
+            host_hit_tokens=prefix.host_hit_tokens,
+            host_demoted_bytes=(prefix.host_blocks_demoted * self.cache.block_bytes
+                                + prefix.host_checkpoints_demoted * self.cache.bytes_per_slot),
+            host_promoted_bytes=(prefix.host_blocks_promoted * self.cache.block_bytes
+                                 + prefix.host_checkpoints_promoted * self.cache.bytes_per_slot),
+            host_copy_seconds=self.stats.host_copy_seconds,
         )
 
     def step(self) -> list[EngineCoreOutput]:
@@ -263,6 +296,7 @@ class EngineCore:
         self.stats.steps += 1
         self.stats.total_seconds += elapsed
         self.stats.forward_seconds += result.forward_seconds
+        self.stats.host_copy_seconds += result.host_copy_seconds
         if self.step_observer is not None:
             self.step_observer(out, elapsed)
         for e in events:

@@ -47,3 +47,11 @@ class EngineStats:
     """Proposed tokens accepted (cumulative)."""
     spec_accepted_per_pos: tuple[int, ...] = ()
     """Index j: drafts whose proposed token j was accepted (cumulative)."""
+    host_hit_tokens: int = 0
+    """Prompt tokens of prefix hits that needed the host tier (cumulative; also in `prefix_hit_tokens`)."""
+    host_demoted_bytes: int = 0
+    """Bytes copied from the device caches to the host tier, per rank (cumulative)."""
+    host_promoted_bytes: int = 0
+    """Bytes copied from the host tier back to the device, per rank (cumulative)."""
+    host_copy_seconds: float = 0.0
+    """Time rank 0 spent on those copies (cumulative)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 
 import torch
 
@@ -19,6 +18,7 @@ from deltaserve.ops import dispatch
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 from deltaserve.utils.cpu_threads import default_num_threads
+from deltaserve.utils.host_memory import available_host_bytes
 from deltaserve.utils.malloc import keep_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def available_memory_bytes(device: torch.device) -> int:
     """Free bytes on `device` (CUDA: the driver's free memory; CPU: the free physical pages)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_host_bytes()
 
 
 class Worker:
@@ -83,7 +83,8 @@ class Worker:
     def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
         self.runner = ModelRunner(self.model, num_blocks=layout.num_blocks, block_size=layout.block_size,
                                   num_slots=num_slots,
-                                  max_num_tokens=self.config.scheduler.max_num_batched_tokens)
+                                  max_num_tokens=self.config.scheduler.max_num_batched_tokens,
+                                  num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots)
 
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
         if self.runner is None:

@@ -13,6 +13,7 @@ from deltaserve.layers.forward_batch import KDALayerCache
 from deltaserve.models.protocol import Model
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.outputs import TokenLogprobs
+from deltaserve.runner.host_cache import HostCache
 from deltaserve.runner.input_batch import InputBatch
 from deltaserve.runner.kv_tensors import allocate_layer_caches
 from deltaserve.runner.sampler import DraftToken, SamplingRow, TokenBitmask, sample
@@ -34,13 +35,16 @@ class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one step over any mix of prefill and decode chunks."""
 
     def __init__(self, model: Model, *, num_blocks: int, block_size: int, num_slots: int,
-                 max_num_tokens: int = 2048) -> None:
+                 max_num_tokens: int = 2048, num_host_blocks: int = 0, num_host_slots: int = 0) -> None:
+        """`num_host_blocks`, `num_host_slots`: the host tier of the prefix cache (none when 0)."""
         self.model = model
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.device = next(model.parameters()).device
         self.caches = allocate_layer_caches(
             model.cache_specs(), num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device=self.device
         )
+        self.host = HostCache(model.cache_specs(), num_blocks=num_host_blocks, num_slots=num_host_slots,
+                              block_size=block_size, device=self.device) if num_host_blocks else None
         self.input_batch = InputBatch(block_size=block_size, device=self.device, max_num_tokens=max_num_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -61,6 +65,13 @@ class ModelRunner:
             self._requests[data.request_id] = _RequestState(data, gen)
         sampled: dict[str, list[SampledToken]] = {}
         self._prompt_logprobs = {}
+        host_seconds = 0.0
+        if out.host_copies is not None:
+            if self.host is None:
+                raise RuntimeError("host-tier copies scheduled, but this runner has no host tier")
+            start = time.perf_counter()
+            self.host.apply(out.host_copies, self.caches)
+            host_seconds = time.perf_counter() - start
         self.apply_copies(out.block_copies, out.state_copies)
         if out.chunks:
             logits = self.execute_model(out.chunks, only_sampled=True)
@@ -68,7 +79,7 @@ class ModelRunner:
             if chunks:
                 sampled = self._sample(logits, chunks, out)
         return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
-                            forward_seconds=self.last_forward_seconds)
+                            forward_seconds=self.last_forward_seconds, host_copy_seconds=host_seconds)
 
     def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], out: SchedulerOutput
                 ) -> dict[str, list[SampledToken]]:

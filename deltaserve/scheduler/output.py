@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deltaserve.cache.host_tier import HostCopies
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
 
@@ -62,6 +63,8 @@ class SchedulerOutput:
     """(src block, dst block, rows): copy the first rows of a cached partial block before the forward."""
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src slot, dst slot): copy a checkpoint's KDA state into a running slot before the forward."""
+    host_copies: HostCopies | None = None
+    """Copies to and from the host tier, before `block_copies` and `state_copies`; None when there are none."""
     structured_request_ids: list[str] = field(default_factory=list)
     """Sampling requests constrained by a grammar this step, in the row order of `grammar_bitmask`. Filled by the
     engine (its StructuredOutputManager) after `schedule()`; empty when no sampled row is constrained."""
@@ -99,3 +102,5 @@ class RunnerOutput:
     the first prompt token has none)."""
     forward_seconds: float = 0.0
     """Time spent in the model forward and LM head (the rest of a step is scheduling/batching/sampling overhead)."""
+    host_copy_seconds: float = 0.0
+    """Time spent copying to and from the host tier before the forward."""

@@ -137,7 +137,8 @@ class Scheduler:
         finished, self._finished_since_step = self._finished_since_step, []
         block_copies, state_copies = self.cache.take_copies()
         return SchedulerOutput(chunks=chunks, new_requests=new, finished_request_ids=finished,
-                               block_copies=block_copies, state_copies=state_copies)
+                               block_copies=block_copies, state_copies=state_copies,
+                               host_copies=self.cache.take_host_copies())
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[StepEvent]:
         """Advance the computed counters, append sampled tokens, finish requests that hit a stop condition."""

@@ -112,6 +112,13 @@ class _EngineStatsCollector:
                     s.state_slots_used / max(s.state_slots_total, 1))
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hit_tokens)
+        yield counter("host_cache_hits", "Prompt tokens of prefix hits that needed the host tier (L2).",
+                      s.host_hit_tokens)
+        yield counter("host_cache_demoted_bytes", "Bytes copied from device caches to the host tier, per rank.",
+                      s.host_demoted_bytes)
+        yield counter("host_cache_promoted_bytes", "Bytes copied from the host tier back to the device, per rank.",
+                      s.host_promoted_bytes)
+        yield counter("host_cache_copy_seconds", "Time spent copying to and from the host tier.", s.host_copy_seconds)
         yield counter("num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
         yield gauge("engine_stats_age_seconds", "Age of the engine stats snapshot these engine metrics come from.",
                     self.snapshot.age_s or 0.0)
