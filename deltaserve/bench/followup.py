@@ -38,6 +38,14 @@ class FollowupBenchArgs:
     """Seed of the random prompts."""
     target: float = 0.15
     """Pass when warm TTFT / cold TTFT is at most this."""
+    evict_tokens: int = 0
+    """Run this many tokens of other prompts between the first prompt and the follow-up (with a small
+    `num_blocks`, they evict the first prompt from the device cache). The follow-up is then measured twice: with
+    the host tier (`host_cache_memory`: rehydrated) and without (recomputed); the ratio is theirs."""
+    num_blocks: int | None = None
+    """Engine KV blocks on the device (default: sized from cache_memory)."""
+    host_cache_memory: str | None = None
+    """Host tier (L2) size for the rehydration run (with evict_tokens)."""
     result_file: str | None = None
     """Write the results as JSON here."""
 
@@ -75,6 +83,10 @@ def run_followup(args: FollowupBenchArgs) -> dict:
     llm = make_llm(model, caching=True, checkpoint_interval=args.state_checkpoint_interval, **engine_args)
     cold = _time_request(llm, "followup", followup, args.output_len)
     del llm
+    if args.num_blocks is not None:
+        engine_args["num_blocks"] = args.num_blocks
+    if args.evict_tokens:
+        return _evicted_followup(args, model, first, followup, cold, engine_args)
     print("warm: first prompt, then the follow-up ...", flush=True)
     llm = make_llm(model, caching=True, checkpoint_interval=args.state_checkpoint_interval, **engine_args)
     first_run = _time_request(llm, "first", first, args.output_len)
@@ -90,6 +102,38 @@ def run_followup(args: FollowupBenchArgs) -> dict:
     print(f"prefix_stats (warm engine): {result['prefix_stats'] or 'not available'}")
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _evicted_followup(args: FollowupBenchArgs, model: str, first: list[int], followup: list[int],
+                      cold: dict[str, float], engine_args: dict) -> dict:
+    """First prompt, `evict_tokens` of other prompts, then the follow-up: on an engine without a host tier (the
+    follow-up recomputes what was evicted) and on one with it (rehydrated from host memory)."""
+    rng = random.Random(args.seed + 1)
+    vocab = max(first) + 32
+    fillers = [[rng.randrange(vocab - 32) for _ in range(1000)] for _ in range(-(-args.evict_tokens // 1000))]
+    runs: dict[str, dict] = {}
+    for name, host in (("recomputed", None), ("rehydrated", args.host_cache_memory)):
+        print(f"{name}: first prompt, {len(fillers)} x 1,000 tokens of other prompts, then the follow-up ...",
+              flush=True)
+        extra: dict[str, str] = {} if host is None else {"host_cache_memory": host}
+        llm = make_llm(model, caching=True, checkpoint_interval=args.state_checkpoint_interval, **engine_args, **extra)
+        _time_request(llm, "first", first, args.output_len)
+        for i, prompt in enumerate(fillers):
+            _time_request(llm, f"filler-{i}", prompt, 1)
+        runs[name] = _time_request(llm, "followup", followup, args.output_len)
+        runs[name]["prefix_stats"] = prefix_stats(llm)
+        del llm
+    ratio = runs["rehydrated"]["ttft_s"] / runs["recomputed"]["ttft_s"]
+    result = {"config": asdict(args), "cold": cold, **runs, "ttft_ratio": ratio, "passed": ratio <= args.target}
+    _print_table(("", "TTFT (ms)", "cached tokens"), [
+        (name, f"{r['ttft_s'] * 1000:.0f}", str(r["cached_tokens"]))
+        for name, r in (("follow-up, cold", cold), ("evicted, recomputed", runs["recomputed"]),
+                        ("evicted, rehydrated", runs["rehydrated"]))])
+    print(f"rehydrated / recomputed TTFT: {ratio:.1%} (target <= {args.target:.0%}: "
+          f"{'PASS' if result['passed'] else 'FAIL'})")
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
 
 

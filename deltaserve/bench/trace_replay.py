@@ -60,6 +60,8 @@ class ReplayBenchArgs:
     """'float32' or 'bfloat16'."""
     baseline: bool = True
     """Also replay with prefix caching off and compare TTFTs."""
+    host_cache_memory: str | None = None
+    """Also replay with a host tier (L2) of this size behind the device cache (`--host-cache-memory`)."""
     result_file: str | None = None
     """Write the results as JSON here."""
 
@@ -315,10 +317,15 @@ def run(args: ReplayBenchArgs) -> dict:
     engine_args = dict(dtype=args.dtype, block_size=args.block_size, cache_memory=args.cache_memory,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     result: dict[str, Any] = {"config": asdict(args), "trace": trace}
-    for caching in (True, False) if args.baseline else (True,):
-        key = "caching_on" if caching else "caching_off"
-        print(f"replaying with prefix caching {key[8:]} ...", flush=True)
-        llm = make_llm(model, caching=caching, checkpoint_interval=interval, **engine_args)
+    runs: list[tuple[str, bool, str | None]] = [("caching_on", True, None)]
+    if args.host_cache_memory is not None:
+        runs.append(("caching_on_host", True, args.host_cache_memory))
+    if args.baseline:
+        runs.append(("caching_off", False, None))
+    for key, caching, host in runs:
+        print(f"replaying: {key.replace('_', ' ')} ...", flush=True)
+        extra: dict[str, str] = {} if host is None else {"host_cache_memory": host}
+        llm = make_llm(model, caching=caching, checkpoint_interval=interval, **engine_args, **extra)
         result[key] = replay(llm, requests, prompts, label=key)
         del llm
     on = result["caching_on"]
@@ -330,7 +337,7 @@ def run(args: ReplayBenchArgs) -> dict:
 
 
 def _print_replay(result: dict[str, Any]) -> None:
-    runs = [k for k in ("caching_on", "caching_off") if k in result]
+    runs = [k for k in ("caching_on", "caching_on_host", "caching_off") if k in result]
     trace = result["trace"]
     rows = [
         ("hit tokens", *(str(result[k]["hit_tokens"]) for k in runs), str(trace["theoretical_hit_tokens"])),
