@@ -167,13 +167,14 @@ def test_unreachable_ray_address_is_a_one_line_error(tiny_dir):
             check_reachable(address, timeout_s=0.5)
     with pytest.raises(ValueError, match="ray_address='nowhere'"):
         check_reachable("nowhere")
-    done = subprocess.run([sys.executable, "-m", "deltaserve.entrypoints.cli", "serve", "--model", path, "--port",
-                           str(free_port()), "--distributed-executor-backend", "ray", "--ray-address", closed],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2
-    assert re.fullmatch(rf"deltaserve serve: error: .*cannot reach the Ray cluster at {closed}: [^\n]*",
-                        done.stderr.strip().splitlines()[-1])
-    assert "site-packages/ray" not in done.stderr  # the engine logs its own start-up traceback, none of Ray's
+    for dp in ("1", "2"):  # one engine, and data-parallel replicas behind the router
+        done = subprocess.run([sys.executable, "-m", "deltaserve.entrypoints.cli", "serve", "--model", path, "--port",
+                               str(free_port()), "--distributed-executor-backend", "ray", "--ray-address", closed,
+                               "--data-parallel-size", dp], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, dp
+        assert re.fullmatch(rf"deltaserve serve: error: .*cannot reach the Ray cluster at {closed}: [^\n]*",
+                            done.stderr.strip().splitlines()[-1]), dp
+        assert "site-packages/ray" not in done.stderr  # the engine logs its own start-up traceback, none of Ray's
 
 
 def test_ranks_beyond_the_cluster_are_a_one_line_error(tiny_dir, cluster):
