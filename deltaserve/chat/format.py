@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.sampling_params import StructuredOutput
-from deltaserve.text.tokenizer import Tokenizer
+from deltaserve.text.tokenizer import Tokenizer, TokenLimitExceeded
 
 if TYPE_CHECKING:
     from deltaserve.parsers.types import OutputParser
@@ -52,6 +52,7 @@ class ChatFormat(ABC):
         response_format: StructuredOutput | None = None,
         thinking_effort: str | None = None,
         continue_final_message: bool = False,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """Token ids of the prompt for `messages`.
 
@@ -67,10 +68,13 @@ class ChatFormat(ABC):
             continue_final_message: leave the last message, an assistant one without tool calls, open so that the
                 model continues its text (a prefill); needs add_generation_prompt False and thinking off, and no
                 internal tool-choice / response-format message.
+            max_tokens: a prompt of more ids raises `TokenLimitExceeded(max_tokens)` as soon as that is known,
+                without tokenizing the rest (a server refuses a prompt past its context whatever its length).
 
         Raises:
             ValueError: thinking requested but unsupported by the tokenizer, a malformed message, or a
                 continue_final_message the conversation does not allow.
+            TokenLimitExceeded: (a ValueError) the prompt has more than `max_tokens` ids.
         """
 
     @staticmethod
@@ -109,6 +113,24 @@ class ChatFormat(ABC):
             return
         if not any(t.name == tool_choice for t in tools):
             raise ValueError(f"tool_choice names {tool_choice!r}, which is not among the offered tools")
+
+
+def encode_text(tokenizer: Tokenizer, text: str, *, used: int, max_tokens: int | None) -> list[int]:
+    """Ids of client `text` (special tokens disallowed) for a prompt that holds `used` ids so far and may hold at
+    most `max_tokens`: TokenLimitExceeded(max_tokens) as soon as the text cannot fit (see `ChatFormat.render`)."""
+    if max_tokens is None:
+        return tokenizer.encode(text, allow_special=False)
+    try:
+        return tokenizer.encode(text, allow_special=False, max_tokens=max(max_tokens - used, 0))
+    except TokenLimitExceeded:
+        raise TokenLimitExceeded(max_tokens) from None
+
+
+def check_length(ids: list[int], max_tokens: int | None) -> list[int]:
+    """`ids`, or TokenLimitExceeded when they are more than `max_tokens` (the special ids a render adds)."""
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise TokenLimitExceeded(max_tokens)
+    return ids
 
 
 def special_ids(tokenizer: Tokenizer, names: Iterable[str]) -> dict[str, int]:

@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from deltaserve.chat.format import ChatFormat, deep_sort, pick_tools
+from deltaserve.chat.format import ChatFormat, check_length, deep_sort, encode_text, pick_tools
 from deltaserve.chat.grammar import (
     MAX_PARALLEL_CALLS,
     REASONING_TERMINAL,
@@ -92,6 +92,7 @@ class KimiK2Format(ChatFormat):
         response_format: StructuredOutput | None = None,
         thinking_effort: str | None = None,
         continue_final_message: bool = False,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """See `ChatFormat.render`; `tool_choice`, `response_format` and `thinking_effort` do not change a K2
         prompt."""
@@ -117,7 +118,7 @@ class KimiK2Format(ChatFormat):
             parts += [ids["<|im_assistant|>"], "assistant", middle]
             if think is not None:
                 parts.append(think[0])
-        return self._encode(parts)
+        return self._encode(parts, max_tokens)
 
     def _message(self, message: ChatMessage, *, think: tuple[int, int] | None, historical: bool) -> list[Part]:
         ids = self.special_ids
@@ -143,8 +144,9 @@ class KimiK2Format(ChatFormat):
         parts.append(ids["<|im_end|>"])
         return parts
 
-    def _encode(self, parts: list[Part]) -> list[int]:
-        """Special ids as they are; each run of adjacent text joined, then encoded with specials disallowed."""
+    def _encode(self, parts: list[Part], max_tokens: int | None) -> list[int]:
+        """Special ids as they are; each run of adjacent text joined, then encoded with specials disallowed;
+        `max_tokens` as in `ChatFormat.render`."""
         out: list[int] = []
         text: list[str] = []
         for part in [*parts, -1]:
@@ -152,11 +154,11 @@ class KimiK2Format(ChatFormat):
                 text.append(part)
                 continue
             if text:
-                out += self.tokenizer.encode("".join(text), allow_special=False)
+                out += encode_text(self.tokenizer, "".join(text), used=len(out), max_tokens=max_tokens)
                 text = []
             if part >= 0:
                 out.append(part)
-        return out
+        return check_length(out, max_tokens)
 
     def _grammar_head(self, thinking: bool) -> tuple[str, list[str]]:
         """(start-rule prefix, shared rules): the reasoning block when thinking, and the special-token rules."""

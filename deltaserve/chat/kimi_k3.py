@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from deltaserve.chat import xtml
-from deltaserve.chat.format import ChatFormat, deep_sort
+from deltaserve.chat.format import ChatFormat, check_length, deep_sort, encode_text
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.chat.xtml_grammar import answer_grammar, tool_call_grammar
 from deltaserve.parsers.types import ToolCall
@@ -57,6 +57,7 @@ class KimiK3Format(ChatFormat):
         response_format: StructuredOutput | None = None,
         thinking_effort: str | None = None,
         continue_final_message: bool = False,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """See `ChatFormat.render`. tool_choice "required" / "none" and a json_object / json_schema
         `response_format` add K3's internal system messages; a named tool_choice adds none; `thinking_effort`
@@ -72,7 +73,7 @@ class KimiK3Format(ChatFormat):
             thinking_effort=thinking_effort,
             continue_final_message=continue_final_message,
         )
-        return self.encode(doc)
+        return self.encode(doc, max_tokens=max_tokens)
 
     def segments(
         self,
@@ -171,15 +172,16 @@ class KimiK3Format(ChatFormat):
             doc.close("call")
         doc.close("tools")
 
-    def encode(self, doc: xtml.Segments) -> list[int]:
-        """Ids of `doc`: each special segment its id, each text segment encoded separately, specials disallowed."""
+    def encode(self, doc: xtml.Segments, *, max_tokens: int | None = None) -> list[int]:
+        """Ids of `doc`: each special segment its id, each text segment encoded separately, specials disallowed;
+        `max_tokens` as in `ChatFormat.render`."""
         ids: list[int] = []
         for text, special in doc.items:
             if special:
                 ids.append(self.special_ids[text])
             else:
-                ids += self.tokenizer.encode(text, allow_special=False)
-        return ids
+                ids += encode_text(self.tokenizer, text, used=len(ids), max_tokens=max_tokens)
+        return check_length(ids, max_tokens)
 
     def tool_call_grammar(
         self, tools: Sequence[ToolSpec], *, name: str | None, parallel: bool, thinking: bool

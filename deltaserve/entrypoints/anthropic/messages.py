@@ -21,6 +21,7 @@ from deltaserve.entrypoints.server.frontend import Frontend, chat_processors
 from deltaserve.entrypoints.server.prompt import RenderedPrompt
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
+from deltaserve.text.tokenizer import TokenLimitExceeded
 
 _STOP_REASONS = {"length": "max_tokens", "abort": "end_turn"}
 
@@ -73,9 +74,11 @@ def to_chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
     return out
 
 
-def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> RenderedPrompt:
+def render_messages_prompt(frontend: Frontend, body: CountTokensRequest, max_tokens: int | None = None
+                           ) -> RenderedPrompt:
     """Validate a Messages request's tools, tool_choice, thinking and output format and render its prompt (shared
-    by /v1/messages and /v1/messages/count_tokens)."""
+    by /v1/messages and /v1/messages/count_tokens); a prompt of more than `max_tokens` is
+    `Frontend.prompt_too_long`."""
     fmt = frontend.chat_format
     frontend.check_model(body.model)
     for i, t in enumerate(body.tools or ()):
@@ -111,7 +114,10 @@ def render_messages_prompt(frontend: Frontend, body: CountTokensRequest) -> Rend
     try:
         prompt_ids = fmt.render(to_chat_messages(body), tools=tools, thinking=thinking,
                                 tool_choice=choice if tc is not None else None, response_format=answer,
-                                add_generation_prompt=not prefill, continue_final_message=prefill)
+                                add_generation_prompt=not prefill, continue_final_message=prefill,
+                                max_tokens=max_tokens)
+    except TokenLimitExceeded:
+        raise frontend.prompt_too_long(param="messages") from None
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     return RenderedPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
@@ -136,7 +142,7 @@ class MessagesPlan:
 
     def __init__(self, frontend: Frontend, body: MessagesRequest) -> None:
         fmt = frontend.chat_format
-        prompt = render_messages_prompt(frontend, body)
+        prompt = render_messages_prompt(frontend, body, frontend.render_limit(None))
         self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
         if body.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {body.max_tokens}")

@@ -28,6 +28,7 @@ from deltaserve.entrypoints.server.frontend import Frontend, chat_processors
 from deltaserve.entrypoints.server.prompt import RenderedPrompt
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
+from deltaserve.text.tokenizer import TokenLimitExceeded
 
 
 def to_chat_messages(messages: list[ChatMessageParam]) -> list[ChatMessage]:
@@ -81,9 +82,10 @@ def check_prompt_length(frontend: Frontend, body: ChatCompletionRequest) -> None
         frontend.check_text_length(prompt_chars(body.messages), param="messages")
 
 
-def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest) -> RenderedPrompt:
+def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, max_tokens: int | None = None
+                       ) -> RenderedPrompt:
     """Validate a chat request's messages, tools, tool_choice and formats and render its prompt (shared by
-    /v1/chat/completions and /tokenize)."""
+    /v1/chat/completions and /tokenize); a prompt of more than `max_tokens` is `Frontend.prompt_too_long`."""
     fmt = frontend.chat_format
     frontend.check_model(body.model)
     tools = [ToolSpec(name=t.function.name, description=t.function.description or "",
@@ -130,7 +132,9 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest) -> Rende
                                 add_generation_prompt=body.add_generation_prompt,
                                 tool_choice=choice if body.tool_choice is not None else None,
                                 response_format=declared, thinking_effort=effort,
-                                continue_final_message=body.continue_final_message)
+                                continue_final_message=body.continue_final_message, max_tokens=max_tokens)
+    except TokenLimitExceeded:
+        raise frontend.prompt_too_long(param="messages") from None
     except ValueError as exc:
         param = "continue_final_message" if body.continue_final_message else "messages"
         raise bad_request(str(exc), param=param) from exc
@@ -143,7 +147,7 @@ class ChatPlan:
 
     def __init__(self, frontend: Frontend, body: ChatCompletionRequest) -> None:
         fmt = frontend.chat_format
-        prompt = render_chat_prompt(frontend, body)
+        prompt = render_chat_prompt(frontend, body, frontend.render_limit(body.truncate_prompt_tokens))
         self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
         if body.truncate_prompt_tokens is not None:
             self.prompt_ids = self.prompt_ids[-frontend.truncation(body.truncate_prompt_tokens):]

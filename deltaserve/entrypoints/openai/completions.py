@@ -42,7 +42,8 @@ class CompletionPlan:
         self.prompts: list[list[int]] = []
         self.texts: list[str] = []
         for p in prompts:
-            ids = frontend.tokenizer.encode(p) if isinstance(p, str) else frontend.check_prompt_ids(p)
+            ids = (frontend.encode_prompt(p, truncate_prompt_tokens=body.truncate_prompt_tokens) if isinstance(p, str)
+                   else frontend.check_prompt_ids(p))
             if body.truncate_prompt_tokens is not None:
                 ids = ids[-frontend.truncation(body.truncate_prompt_tokens):]
             if not ids:

@@ -8,7 +8,9 @@ errors. Closing the generator early (client gone) aborts every sequence still ru
 Rendering and tokenizing a prompt can take seconds for a body of megabytes, so the routes do it in `offload`'s small
 thread pool, never on the event loop (tiktoken and `tokenizers`' batch encode release the GIL; pure-Python rendering
 yields it every few milliseconds). Before that, `check_text_length` refuses text that could not fit the context
-whatever its tokenization, at the cost of counting characters.
+whatever its tokenization, at the cost of counting characters; text that passes it is rendered with `render_limit`,
+so that a prompt past the context stops being tokenized there (`prompt_too_long`) instead of becoming millions of
+ids whose list work holds the GIL.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from deltaserve.entrypoints.server.stream_buffer import bounded_stream
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 from deltaserve.structured.backend import StructuredOutputBackend
 from deltaserve.structured.schema_check import check_satisfiable
-from deltaserve.text.tokenizer import Tokenizer
+from deltaserve.text.tokenizer import Tokenizer, TokenLimitExceeded
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -92,6 +94,26 @@ class Frontend:
                               f"(at most {limit} characters: no token of this model is longer than "
                               f"{self.max_token_bytes} bytes). Please reduce the length of the prompt.",
                               param=param, code="context_length_exceeded")
+
+    def render_limit(self, truncate_prompt_tokens: int | None) -> int | None:
+        """`max_tokens` for rendering or encoding a generation prompt: past max_model_len a prompt is refused
+        whatever its length, so tokenizing stops there (`TokenLimitExceeded`, answered by `prompt_too_long`);
+        None with truncate_prompt_tokens, which keeps the tail of the whole prompt."""
+        return self.max_model_len if truncate_prompt_tokens is None else None
+
+    def prompt_too_long(self, *, param: str) -> ApiError:
+        """The 400 for a prompt whose rendering stopped past max_model_len (its exact length is not known)."""
+        return bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                           f"prompt has more than {self.max_model_len} tokens. Please reduce the length of the "
+                           f"prompt.", param=param, code="context_length_exceeded")
+
+    def encode_prompt(self, text: str, *, truncate_prompt_tokens: int | None, param: str = "prompt") -> list[int]:
+        """Ids of a text prompt (special tokens allowed, as vLLM encodes a completion prompt); `prompt_too_long`
+        as soon as it is known to have more than `render_limit` tokens."""
+        try:
+            return self.tokenizer.encode(text, max_tokens=self.render_limit(truncate_prompt_tokens))
+        except TokenLimitExceeded:
+            raise self.prompt_too_long(param=param) from None
 
     def stream(self, request_id: str, updates: AsyncGenerator[SequenceUpdate, None]
                ) -> AsyncGenerator[SequenceUpdate, None]:
