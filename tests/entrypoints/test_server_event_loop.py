@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from deltaserve.text.tiny_tokenizer import write_tiny_tokenizer
+from deltaserve.text.tokenizer import Tokenizer
 from tests.conftest import TINY_VARIANTS
 from tests.entrypoints.server_fixture import API_KEY, LiveServer, start_server, stop_server
 
@@ -90,12 +91,49 @@ def test_an_8mb_prompt_does_not_stall_the_event_loop(long_server):
     sock.close()
     total = time.perf_counter() - sent
     head, _, payload = response[0].partition(b"\r\n\r\n")
-    # 8 MB of this text is ~1.6M tokens: refused after tokenizing, as too long for the KV cache of the tiny model
+    # 8 MB of this text is ~3.9M tokens: tokenizing stops once the prompt passes the 1M-token context, so the error
+    # knows only that it has more (the whole id list, whose list work held the loop for 100+ ms, is never built)
     assert head.startswith(b"HTTP/1.1 400"), head
-    assert json.loads(payload)["error"]["code"] == "context_length_exceeded"
+    error = json.loads(payload)["error"]
+    assert error["code"] == "context_length_exceeded" and f"more than {1 << 20} tokens" in error["message"], error
     assert probes_during, "no /health probe finished while the 8 MB request was processed"
     print(f"\n8 MB chat request answered in {total:.2f} s; {len(probes_during)} /health probes meanwhile, the longest "
           f"took {max(probes_during) * 1000:.1f} ms (the longest of 200 on the idle server: {max(idle) * 1000:.1f} ms)")
+
+
+def test_a_prompt_past_the_context_is_refused_where_rendering_passes_it(server):
+    """Text that passes the cheap character check but renders past max_model_len (the session server: 2,048
+    tokens) is refused by every generation route once the render passes the limit: a 400 context_length_exceeded
+    saying "more than 2048 tokens" (streamed requests too, before their stream starts). /tokenize and count_tokens
+    still count it exactly, and truncate_prompt_tokens, which keeps the tail of the whole prompt, still serves it."""
+    tokenizer = Tokenizer.from_pretrained(server.model_dir)
+    max_token_bytes = max(len(tokenizer.decode_bytes([i])) for i in range(tokenizer.vocab_size))
+    words = "the scheduler gives each request tokens under a budget; "
+    text = (words * (2048 * max_token_bytes // len(words)))[:2048 * max_token_bytes]  # at the character check
+    user = [{"role": "user", "content": text}]
+    count = _post(server, "/tokenize", {"model": "tiny", "messages": user}).json()["count"]
+    assert count > 2048
+    assert _post(server, "/v1/messages/count_tokens", {"model": "tiny", "messages": user}).json()["input_tokens"] > 2048
+    for path, body, param in (
+        ("/v1/chat/completions", {"messages": user, "max_tokens": 1}, "messages"),
+        ("/v1/chat/completions", {"messages": user, "max_tokens": 1, "stream": True}, "messages"),
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}, "prompt"),
+        ("/v1/completions", {"prompt": ["Hi", text], "max_tokens": 1}, "prompt"),
+        ("/v1/messages", {"messages": user, "max_tokens": 1}, "messages"),
+    ):
+        r = _post(server, path, {"model": "tiny", **body})
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert "more than 2048 tokens" in error["message"], error
+        if not path.startswith("/v1/messages"):  # Anthropic's error body has neither field
+            assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+    served = _post(server, "/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": 1,
+                                               "truncate_prompt_tokens": 100})
+    assert served.status_code == 200 and served.json()["usage"]["prompt_tokens"] == 100, served.text
+
+
+def _post(server: LiveServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=server.headers(), timeout=120)
 
 
 def test_a_client_that_stops_reading_gets_its_request_aborted(long_server):

@@ -18,7 +18,7 @@ from deltaserve.text.tiny_tokenizer import (
     TINY_SPECIAL_TOKENS,
     write_tiny_tokenizer,
 )
-from deltaserve.text.tokenizer import KIMI_PAT_STR, Tokenizer, split_long_runs
+from deltaserve.text.tokenizer import KIMI_PAT_STR, Tokenizer, TokenLimitExceeded, split_long_runs
 
 VOCAB = 1024
 FORMATS = ("tokenizers", "tiktoken")
@@ -185,6 +185,10 @@ def test_tiktoken_loader_matches_direct_encoding(tmp_path: Path) -> None:
         assert tok.encode(text) == direct.encode(text, allowed_special="all")
         assert tok.encode(text, allow_special=False) == direct.encode_ordinary(text)
         assert tok.decode(tok.encode(text)) == text
+    lone = "a lone \ud800 surrogate"  # replaced by U+FFFD, as tiktoken's own encodes do
+    assert tok.encode(lone) == direct.encode(lone, allowed_special="all")
+    assert tok.encode(lone, allow_special=False) == direct.encode_ordinary(lone)
+    assert tok.encode(lone) == tok.encode("a lone \ufffd surrogate")
     assert tok.token_to_id("Ġthe") == 259 and tok.id_to_token(32) == "Ġ"  # byte-level spelling of b" "
 
 
@@ -225,6 +229,57 @@ def test_split_long_runs_matches_kimi_splitter() -> None:
         s = "".join(rng.choice("ab \n\u3000é") * rng.randint(1, 9) for _ in range(rng.randint(0, 12)))
         max_run = rng.randint(1, 6)
         assert list(split_long_runs(s, max_run)) == list(_kimi_split(s, max_run))
+
+
+def test_split_long_runs_at_kimi_size_matches_kimi_splitter() -> None:
+    """At the real 25k limit, runs just under, at and past one and two limits, anywhere in ordinary text, whitespace
+    or not, are cut where Kimi's splitter cuts (the fast path samples every 12,500th character)."""
+    rng = random.Random(1)
+    for length in (12_500, 12_501, 25_000, 25_001, 37_502, 50_001):
+        for fill in ("x", " ", "\n"):
+            for _ in range(3):
+                before = "".join(rng.choice(["the ", "a\n", "xy"]) for _ in range(rng.randint(0, 9000)))
+                text = before + fill * length + "b c" * rng.randint(0, 3)
+                assert list(split_long_runs(text)) == list(_kimi_split(text, 25_000))
+
+
+@pytest.mark.parametrize("allow_special", [True, False])
+def test_encode_with_max_tokens_is_exact_or_refused(tiny: tuple[Tokenizer, dict], allow_special: bool) -> None:
+    """With max_tokens, a text of at most that many tokens gets exactly its ids; one token fewer is refused with
+    TokenLimitExceeded naming the limit (texts of several 400k-character chunks included)."""
+    tok, _ = tiny
+    for text in (*TEXTS, "<|im_end|> then text", "thing the 123 " * 60_000):
+        full = tok.encode(text, allow_special=allow_special)
+        assert tok.encode(text, allow_special=allow_special, max_tokens=len(full)) == full
+        assert tok.encode(text, allow_special=allow_special, max_tokens=len(full) + 5) == full
+        if full:
+            with pytest.raises(TokenLimitExceeded) as info:
+                tok.encode(text, allow_special=allow_special, max_tokens=len(full) - 1)
+            assert info.value.limit == len(full) - 1 and str(len(full) - 1) in str(info.value)
+
+
+def test_tiktoken_encode_past_max_tokens_stops_at_the_first_piece(tmp_path: Path, monkeypatch) -> None:
+    """A text of megabytes past max_tokens is refused after its first 400k-character piece: the rest is never
+    encoded (what keeps a prompt far past a server's context cheap to refuse)."""
+    write_tiny_tokenizer(tmp_path, VOCAB, fmt="tiktoken")
+    tok = Tokenizer.from_pretrained(tmp_path)
+    backend = tok._backend
+    produced: list[int] = []
+    encode_piece = backend._encode_piece
+
+    def counting(piece, allowed):
+        array = encode_piece(piece, allowed)
+        produced.append(len(array))
+        return array
+
+    monkeypatch.setattr(backend, "_encode_piece", counting)
+    text = "the scheduler gives each request tokens under a budget; " * 40_000  # 2.2M characters
+    total = len(tok.encode(text, allow_special=False))
+    assert len(produced) == 6 and sum(produced) == total  # six pieces when encoded whole
+    produced.clear()
+    with pytest.raises(TokenLimitExceeded):
+        tok.encode(text, allow_special=False, max_tokens=1000)
+    assert len(produced) == 1 and sum(produced) < total / 5
 
 
 @pytest.mark.parametrize(
