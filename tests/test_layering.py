@@ -14,15 +14,16 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"envs", "utils"},
     "distributed": BASE,
     "cache": BASE,
+    "kvstore": BASE,  # the shared KV store (L3): no torch
     "scheduler": BASE | {"cache"},
     "layers": BASE | {"ops", "distributed"},
     "models": BASE | {"ops", "layers", "cache", "distributed"},
     "structured": BASE,
-    "runner": BASE | {"ops", "layers", "models", "cache", "scheduler", "structured", "distributed"},
+    "runner": BASE | {"ops", "layers", "models", "cache", "scheduler", "structured", "distributed", "kvstore"},
     "spec_decode": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "distributed"},
     "disagg": BASE | {"cache", "scheduler", "runner"},
-    "executor": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "distributed"},
-    "engine": BASE | {"cache", "scheduler", "spec_decode", "disagg", "structured", "executor"},
+    "executor": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "distributed", "kvstore"},
+    "engine": BASE | {"cache", "scheduler", "spec_decode", "disagg", "structured", "executor", "kvstore"},
     "entrypoints": BASE | {"engine", "structured"},
     # models: to write a tiny checkpoint when none is given; layers, cache: the roofline reads the loaded model's
     # expert modules and cache specs; scheduler: the step observer's SchedulerOutput type.
