@@ -62,6 +62,9 @@ class ReplayBenchArgs:
     """Also replay with prefix caching off and compare TTFTs."""
     host_cache_memory: str | None = None
     """Also replay with a host tier (L2) of this size behind the device cache (`--host-cache-memory`)."""
+    shared_cache_url: str | None = None
+    """Also replay with the host tier and this shared store (L3) behind it (`--shared-cache-url`; a running Redis or
+    Mooncake Store, which should start empty)."""
     result_file: str | None = None
     """Write the results as JSON here."""
 
@@ -320,11 +323,15 @@ def run(args: ReplayBenchArgs) -> dict:
     runs: list[tuple[str, bool, str | None]] = [("caching_on", True, None)]
     if args.host_cache_memory is not None:
         runs.append(("caching_on_host", True, args.host_cache_memory))
+        if args.shared_cache_url is not None:
+            runs.append(("caching_on_shared", True, args.host_cache_memory))
     if args.baseline:
         runs.append(("caching_off", False, None))
     for key, caching, host in runs:
         print(f"replaying: {key.replace('_', ' ')} ...", flush=True)
         extra: dict[str, str] = {} if host is None else {"host_cache_memory": host}
+        if key == "caching_on_shared" and args.shared_cache_url is not None:
+            extra["shared_cache_url"] = args.shared_cache_url
         llm = make_llm(model, caching=caching, checkpoint_interval=interval, **engine_args, **extra)
         result[key] = replay(llm, requests, prompts, label=key)
         del llm
@@ -337,7 +344,7 @@ def run(args: ReplayBenchArgs) -> dict:
 
 
 def _print_replay(result: dict[str, Any]) -> None:
-    runs = [k for k in ("caching_on", "caching_on_host", "caching_off") if k in result]
+    runs = [k for k in ("caching_on", "caching_on_host", "caching_on_shared", "caching_off") if k in result]
     trace = result["trace"]
     rows = [
         ("hit tokens", *(str(result[k]["hit_tokens"]) for k in runs), str(trace["theoretical_hit_tokens"])),

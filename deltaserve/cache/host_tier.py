@@ -25,6 +25,8 @@ class HostEntry:
     length: int = 0
     """Checkpoints: tokens covered."""
     pins: int = 0
+    ready: bool = True
+    """False while its content is still being fetched from the shared store (lookups skip it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,9 +59,16 @@ class _LRUTier:
 
     def get(self, key: Any) -> HostEntry | None:
         entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
+        if entry is None or not entry.ready:
+            return None
+        self.entries.move_to_end(key)
         return entry
+
+    def drop(self, key: Any) -> None:
+        """Forget `key` (a fetch that failed) and free its id."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self._free.append(entry.host_id)
 
     def store(self, key: Any, length: int = 0) -> int | None:
         """A host id for `key` (None if already held, or if every id is pinned); evicts the LRU entry if full."""
@@ -129,7 +138,7 @@ class HostTier:
         out = {}
         for tokens in self._partials.get(parent, ()):
             entry = self.blocks.entries.get((parent, tokens))
-            if entry is not None:
+            if entry is not None and entry.ready:
                 out[tokens] = entry.host_id
         return out
 
@@ -152,6 +161,30 @@ class HostTier:
             raise KeyError("pinning a host entry that is not held")
         entry.pins += 1
         self._pinned.append(entry)
+
+    # -- fetches from the shared store -----------------------------------------------------------------------------
+
+    def reserve(self, kind: str, key: BlockKey | CheckpointKey, length: int = 0) -> int | None:
+        """A host id for an entry being fetched from the shared store (`kind` 'kv' or 'state'): held, pinned and
+        invisible to lookups until `publish`. None when held already or no room."""
+        tier = self.blocks if kind == "kv" else self.checkpoints
+        host_id = tier.store(key, length)
+        if host_id is not None:
+            entry = tier.entries[key]
+            entry.ready, entry.pins = False, entry.pins + 1
+        return host_id
+
+    def publish(self, kind: str, key: BlockKey | CheckpointKey, ok: bool) -> None:
+        """End a fetch: a good entry becomes findable, a failed one is dropped."""
+        tier = self.blocks if kind == "kv" else self.checkpoints
+        entry = tier.entries.get(key)
+        if entry is None:
+            return
+        entry.pins -= 1
+        if ok:
+            entry.ready = True
+        else:
+            tier.drop(key)
 
     def end_step(self) -> None:
         for entry in self._pinned:

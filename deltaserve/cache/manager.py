@@ -9,8 +9,12 @@ to the runner as step operations (`take_copies`).
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from deltaserve.cache.block_hash import chain_hashes, parent_hash
 from deltaserve.cache.block_pool import BlockList, BlockPool
@@ -30,6 +34,33 @@ class _Holding:
     """(position, checkpoint slot) reserved for checkpoints the runner writes; registered once computed."""
     scratch: list[int] = field(default_factory=list)
     """Scratch slots of this step's proposed tokens: scratch[i] gets the state after i + 1 of the step's tokens."""
+
+
+class SharedLookup(Protocol):
+    """What the cache manager needs of the shared store (L3): whether an entry exists (`kvstore.KVStore`)."""
+
+    def contains(self, key: str) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharedStoreOps:
+    """The step's traffic with the shared store (L3), done by every worker rank on its own part of each entry:
+    `puts` read a device block or state slot before anything else this step (write-through of what the previous
+    step registered), `fetches` write a host-tier block or slot, which the scheduler publishes after the step if
+    every rank got its part. Keys are content hashes (the same in every process): `kv/<chain digest>` for a block,
+    `state/<chain digest>` for the state after a block boundary."""
+
+    puts: list[tuple[str, str, int]] = field(default_factory=list)
+    """(kind 'kv' or 'state', key, device block or slot)."""
+    fetches: list[tuple[str, str, int]] = field(default_factory=list)
+    """(kind, key, host block or slot)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.puts or self.fetches)
+
+
+SHARED_PUT_MEMORY = 65536
+"""Keys this manager remembers having written to the shared store (not written again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +133,10 @@ class CacheManager:
     def __init__(self, *, num_blocks: int, num_slots: int, block_size: int, num_checkpoint_slots: int = 0,
                  bytes_per_slot: int = 0, enable_prefix_caching: bool = False,
                  checkpoint_interval: int | None = None, num_scratch_slots: int = 0, num_host_blocks: int = 0,
-                 num_host_slots: int = 0, block_bytes: int = 0) -> None:
+                 num_host_slots: int = 0, block_bytes: int = 0, shared: SharedLookup | None = None) -> None:
         """`num_host_blocks`, `num_host_slots`: the host tier (L2) that evicted blocks and checkpoints go to (0: no
-        host tier; prefix caching only). `block_bytes`, `bytes_per_slot`: sizes, for byte counts in metrics."""
+        host tier; prefix caching only). `block_bytes`, `bytes_per_slot`: sizes, for byte counts in metrics.
+        `shared`: the shared store (L3; needs the host tier, where its entries are fetched to)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.checkpoint_interval = checkpoint_interval
@@ -116,6 +148,17 @@ class CacheManager:
         self.checkpoints = CheckpointIndex(self.slots, on_evict=self._demote_checkpoint if on else None)
         self._host_copies = HostCopies()
         self._host_hit = 0
+        self.shared = shared if on else None
+        self._stable: dict[str, list[str]] = {}
+        """Per request: content digests of its block chain (the same in every process, unlike `_hashes`)."""
+        self._shared_ops = SharedStoreOps()
+        self._fetching: dict[str, list[tuple[str, BlockKey | CheckpointKey]]] = {}
+        """Requests waiting for shared-store fetches: the host entries reserved for them."""
+        self._step_fetches: list[tuple[str, BlockKey | CheckpointKey]] = []
+        """This step's fetches, in the order of `SharedStoreOps.fetches`."""
+        self._probed: set[str] = set()
+        self._put_keys: OrderedDict[str, None] = OrderedDict()
+        self.shared_hit_tokens = self.shared_fetch_failures = 0
         self._held: dict[str, _Holding] = {}
         self._hashes: dict[str, list[int]] = {}
         self._block_copies: list[tuple[int, int, int]] = []
@@ -211,6 +254,97 @@ class CacheManager:
         """This step's copies to and from the host tier (None when there are none); see `HostCopies`."""
         out, self._host_copies = self._host_copies, HostCopies()
         return out if out else None
+
+    # -- the shared store (L3) -------------------------------------------------------------------------------------
+
+    def _stable_chain(self, request: Request, num_blocks: int) -> list[str]:
+        """Content digests of the request's first `num_blocks` blocks, each covering every token before it (blake2b
+        keyed by the previous digest): the shared store's keys, equal in every process and engine."""
+        bs, chain = self.block_size, self._stable.setdefault(request.request_id, [])
+        while len(chain) < num_blocks:
+            j = len(chain)
+            data = array("q", request.token_slice(j * bs, (j + 1) * bs)).tobytes()
+            chain.append(hashlib.blake2b(data, digest_size=16, key=bytes.fromhex(chain[-1]) if chain else b"")
+                         .hexdigest())
+        return chain
+
+    def _put(self, kind: str, key: str, where: int) -> None:
+        """Write-through of a registered block or checkpoint (once per key this manager knows of)."""
+        if key in self._put_keys:
+            self._put_keys.move_to_end(key)
+            return
+        self._put_keys[key] = None
+        if len(self._put_keys) > SHARED_PUT_MEMORY:
+            self._put_keys.popitem(last=False)
+        self._shared_ops.puts.append((kind, key, where))
+
+    def prefetch(self, request: Request) -> bool:
+        """Before admitting `request`: if the shared store holds more of its prefix than the device and host tiers
+        (blocks past theirs up to a block boundary that has a state), reserve host-tier entries and queue their
+        fetches for this step; True while the request must wait for them (it is admitted after the step, and its
+        hit then comes from the host tier). Probed once per request; a store that fails is a miss."""
+        rid = request.request_id
+        if rid in self._fetching:
+            return True
+        if self.shared is None or rid in self._probed or request.skip_prefix_cache:
+            return False
+        self._probed.add(rid)
+        bs = self.block_size
+        hashes = self.hashes(request, (request.num_tokens - 1) // bs)
+        local = 0
+        while local < len(hashes) and (self.blocks.lookup(hashes[local]) is not None
+                                       or self.host.full_block(hashes[local]) is not None):
+            local += 1
+        stable = self._stable_chain(request, len(hashes))
+        end = local
+        while end < len(hashes) and self.shared.contains(f"kv/{stable[end]}"):
+            end += 1
+        current = self.match(request).length
+        step = max(1, (self.checkpoint_interval or bs) // bs)
+        # The deepest boundary past the current hit with a state: the end of the blocks, then checkpoint intervals.
+        for boundary in sorted({end, *range(end // step * step, current // bs, -step)}, reverse=True):
+            if boundary * bs <= current:
+                return False
+            ckpt_key = (parent_hash(hashes, boundary), ())
+            local_state = self._checkpoint(ckpt_key) is not None
+            if local_state or self.shared.contains(f"state/{stable[boundary - 1]}"):
+                break
+        else:
+            return False
+        wanted: list[tuple[str, BlockKey | CheckpointKey, str, int]] = [
+            ("kv", (hashes[b], None), f"kv/{stable[b]}", 0) for b in range(local, boundary)]
+        if not local_state:
+            wanted.append(("state", ckpt_key, f"state/{stable[boundary - 1]}", boundary * bs))
+        reserved: list[tuple[str, BlockKey | CheckpointKey]] = []
+        ops = []
+        for kind, key, store_key, length in wanted:
+            host_id = self.host.reserve(kind, key, length)
+            if host_id is None:  # no room in the host tier (everything pinned): give the fetch up
+                for k, held_key in reserved:
+                    self.host.publish(k, held_key, ok=False)
+                return False
+            reserved.append((kind, key))
+            ops.append((kind, store_key, host_id))
+        self._fetching[rid] = reserved
+        self._step_fetches += reserved
+        self._shared_ops.fetches.extend(ops)
+        return True
+
+    def take_shared_ops(self) -> SharedStoreOps | None:
+        """This step's puts to and fetches from the shared store (None when there are none)."""
+        out, self._shared_ops = self._shared_ops, SharedStoreOps()
+        return out if out else None
+
+    def finish_fetches(self, fetched: list[bool]) -> None:
+        """After the step that ran this step's fetches: publish the entries every rank got (`fetched`, in fetch
+        order), drop the others; the waiting requests are admitted from the next step on."""
+        for i, (kind, key) in enumerate(self._step_fetches):
+            ok = i < len(fetched) and fetched[i]
+            self.host.publish(kind, key, ok)
+            if not ok:
+                self.shared_fetch_failures += 1
+        self._step_fetches = []
+        self._fetching.clear()
 
     # -- allocation ----------------------------------------------------------------------------------------------
 
@@ -384,12 +518,16 @@ class CacheManager:
         full = request.num_computed_tokens // self.block_size
         if full > held.num_registered:
             hashes = self._chain(request, full)
+            stable = self._stable_chain(request, full) if self.shared is not None else []
             for b in range(held.num_registered, full):
                 self.blocks.cache_full(held.blocks[b], hashes[b])
+                if stable:
+                    self._put("kv", f"kv/{stable[b]}", held.blocks[b])
             held.num_registered = full
         done = [(p, s) for p, s in held.pending if p <= request.num_computed_tokens]
         for pos, slot in done:
             self.checkpoints.add(self.key(request, pos), pos, slot)
+            self._put_state(request, pos, slot)
         held.pending = [(p, s) for p, s in held.pending if p > request.num_computed_tokens]
 
     # -- release -------------------------------------------------------------------------------------------------
@@ -398,8 +536,11 @@ class CacheManager:
         """Return the request's blocks and slot. With prefix caching, first keep its state as a checkpoint at
         `num_computed_tokens` (and cache its last partial block), so a continuation or a resumption hits."""
         held = self._held.pop(request.request_id, None)
+        self._probed.discard(request.request_id)
+        self._fetching.pop(request.request_id, None)  # its fetches are published (or dropped) after their step
         if held is None:
             self._hashes.pop(request.request_id, None)
+            self._stable.pop(request.request_id, None)
             return
         for _, slot in held.pending:  # reserved checkpoints that were never written
             self.slots.free(slot)
@@ -417,6 +558,7 @@ class CacheManager:
         if not kept:
             self.slots.free(held.slot)
         self._hashes.pop(request.request_id, None)
+        self._stable.pop(request.request_id, None)
 
     def _keep_as_checkpoint(self, request: Request, held: _Holding, length: int) -> bool:
         bs = self.block_size
@@ -427,7 +569,14 @@ class CacheManager:
             return False
         self.slots.convert(held.slot, CHECKPOINT)
         self.checkpoints.add(key, length, held.slot)
+        self._put_state(request, length, held.slot)
         return True
+
+    def _put_state(self, request: Request, length: int, slot: int) -> None:
+        """Write-through of a checkpoint at a block boundary (the shared store keeps only those)."""
+        if self.shared is not None and length % self.block_size == 0:
+            n = length // self.block_size
+            self._put("state", f"state/{self._stable_chain(request, n)[n - 1]}", slot)
 
     # -- introspection -------------------------------------------------------------------------------------------
 

@@ -55,6 +55,13 @@ class CacheConfig:
     memory ('0.25'); its checkpoint share is checkpoint_memory's fraction. None: no host tier."""
     kv_offloading_size: float | None = None
     """vLLM's name for the host tier's size, in GiB (host_cache_memory='<N>GiB')."""
+    shared_cache_url: str | None = None
+    """A shared store (L3) of KV blocks and state checkpoints that several engines and restarts see:
+    'redis://HOST:PORT[/DB]' or 'mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata'. Computed prefixes
+    are written through to it; a prefix found there is fetched into the host tier (512MiB unless
+    host_cache_memory says otherwise) before its request starts. A failing store is a miss, never an error."""
+    shared_cache_timeout_s: float = 1.0
+    """The most one shared-store call waits before it counts as a miss."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -77,6 +84,14 @@ class CacheConfig:
             if not self.kv_offloading_size > 0:
                 raise ValueError(f"kv_offloading_size must be > 0 (GiB), got {self.kv_offloading_size}")
             object.__setattr__(self, "host_cache_memory", f"{self.kv_offloading_size}GiB")
+        if self.shared_cache_url is not None:
+            if not self.shared_cache_url.startswith(("redis://", "mooncake://")):
+                raise ValueError(f"shared_cache_url={self.shared_cache_url!r}: expected redis://HOST:PORT or "
+                                 "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata")
+            if self.host_cache_memory is None:
+                object.__setattr__(self, "host_cache_memory", "512MiB")  # where fetched entries land
+        if not self.shared_cache_timeout_s > 0:
+            raise ValueError(f"shared_cache_timeout_s must be > 0, got {self.shared_cache_timeout_s}")
         if self.host_cache_memory is not None:
             parse_memory(self.host_cache_memory, 1, "host_cache_memory")
 

@@ -21,6 +21,7 @@ from deltaserve.engine.hooks import GrammarHook, ProposerHook, StepHook
 from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.stats import EngineStats
 from deltaserve.executor import Executor, make_executor
+from deltaserve.executor.shared_store import RankZeroLookup, open_shared_store
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.request import FinishReason, Request
 from deltaserve.sampling_params import SamplingParams
@@ -66,6 +67,8 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         check_parallel(self.model_config, config.parallel)  # before any worker starts
         self.executor: Executor = make_executor(config)
+        self.shared_store = open_shared_store(config)
+        """The shared store's client of the scheduler (lookups only; the workers read and write entries)."""
         try:
             if proposer is None and config.speculative_config is not None:
                 proposer = make_proposer(config.speculative_config, config)
@@ -143,6 +146,8 @@ class EngineCore:
             checkpoint_interval=cc.state_checkpoint_interval, num_scratch_slots=num_scratch,
             num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots,
             block_bytes=layout.bytes_per_block,
+            shared=None if self.shared_store is None else RankZeroLookup(self.shared_store,
+                                                                         self.config.parallel.world_size),
         )
 
     def _plan_host_tier(self, layout: CacheLayout, device_bytes_on_host: int) -> CacheLayout:
@@ -169,6 +174,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
         self.executor.shutdown()
+        if self.shared_store is not None:
+            self.shared_store.close()
 
     def wait_for_grammars(self, timeout_s: float) -> None:
         """Block until every grammar still compiling is ready (or `timeout_s` passes). For an offline batch: its

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
@@ -12,10 +13,12 @@ from deltaserve.config import EngineConfig
 from deltaserve.distributed import init_parallel_group
 from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.executor.base import WorkerInfo
+from deltaserve.executor.shared_store import open_shared_store
 from deltaserve.layers.linear import prepack_weights
 from deltaserve.models.loader import load_model
 from deltaserve.ops import dispatch
 from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.runner.shared_io import SharedStoreIO
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 from deltaserve.utils.cpu_threads import default_num_threads
 from deltaserve.utils.host_memory import available_host_bytes
@@ -85,8 +88,19 @@ class Worker:
                                   num_slots=num_slots,
                                   max_num_tokens=self.config.scheduler.max_num_batched_tokens,
                                   num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots)
+        store = open_shared_store(self.config)
+        if store is not None:
+            self.runner.shared = SharedStoreIO(store, self.rank, self.config.parallel.world_size)
 
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
         if self.runner is None:
             raise RuntimeError("execute_model before initialize_cache")
-        return self.runner.execute(out)
+        result = self.runner.execute(out)
+        if self.group.size > 1 and result.shared_fetched:
+            # A fetched entry is usable only if every rank got its part: count the ranks that did not.
+            missing = torch.tensor([0 if ok else 1 for ok in result.shared_fetched], dtype=torch.int32)
+            if self.device.type == "cuda":
+                missing = missing.to(self.device)
+            self.group.all_reduce(missing)
+            result = dataclasses.replace(result, shared_fetched=[m == 0 for m in missing.tolist()])
+        return result

@@ -17,6 +17,7 @@ from deltaserve.runner.host_cache import HostCache
 from deltaserve.runner.input_batch import InputBatch
 from deltaserve.runner.kv_tensors import allocate_layer_caches
 from deltaserve.runner.sampler import DraftToken, SamplingRow, TokenBitmask, sample
+from deltaserve.runner.shared_io import SharedStoreIO
 from deltaserve.scheduler.output import NewRequestData, RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
 
 
@@ -45,6 +46,8 @@ class ModelRunner:
         )
         self.host = HostCache(model.cache_specs(), num_blocks=num_host_blocks, num_slots=num_host_slots,
                               block_size=block_size, device=self.device) if num_host_blocks else None
+        self.shared: SharedStoreIO | None = None
+        """The shared store's reader and writer (set by the worker when a store is configured)."""
         self.input_batch = InputBatch(block_size=block_size, device=self.device, max_num_tokens=max_num_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -65,6 +68,13 @@ class ModelRunner:
             self._requests[data.request_id] = _RequestState(data, gen)
         sampled: dict[str, list[SampledToken]] = {}
         self._prompt_logprobs = {}
+        fetched: list[bool] = []
+        if out.shared_ops is not None:  # first: puts read what the last step registered, before anything writes
+            if self.shared is None:
+                fetched = [False] * len(out.shared_ops.fetches)
+            else:
+                fetched = self.shared.run(out.shared_ops, self.caches,
+                                          None if self.host is None else self.host.caches)
         host_seconds = 0.0
         if out.host_copies is not None:
             if self.host is None:
@@ -79,7 +89,8 @@ class ModelRunner:
             if chunks:
                 sampled = self._sample(logits, chunks, out)
         return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
-                            forward_seconds=self.last_forward_seconds, host_copy_seconds=host_seconds)
+                            forward_seconds=self.last_forward_seconds, host_copy_seconds=host_seconds,
+                            shared_fetched=fetched)
 
     def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], out: SchedulerOutput
                 ) -> dict[str, list[SampledToken]]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deltaserve.cache.host_tier import HostCopies
+from deltaserve.cache.manager import SharedStoreOps
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
 
@@ -65,6 +66,8 @@ class SchedulerOutput:
     """(src slot, dst slot): copy a checkpoint's KDA state into a running slot before the forward."""
     host_copies: HostCopies | None = None
     """Copies to and from the host tier, before `block_copies` and `state_copies`; None when there are none."""
+    shared_ops: SharedStoreOps | None = None
+    """Puts to and fetches from the shared store, before everything else; None when there are none."""
     structured_request_ids: list[str] = field(default_factory=list)
     """Sampling requests constrained by a grammar this step, in the row order of `grammar_bitmask`. Filled by the
     engine (its StructuredOutputManager) after `schedule()`; empty when no sampled row is constrained."""
@@ -104,3 +107,5 @@ class RunnerOutput:
     """Time spent in the model forward and LM head (the rest of a step is scheduling/batching/sampling overhead)."""
     host_copy_seconds: float = 0.0
     """Time spent copying to and from the host tier before the forward."""
+    shared_fetched: list[bool] = field(default_factory=list)
+    """Per fetch of `SchedulerOutput.shared_ops`, in order: whether every rank got its part (checked entries)."""

@@ -138,12 +138,14 @@ class Scheduler:
         block_copies, state_copies = self.cache.take_copies()
         return SchedulerOutput(chunks=chunks, new_requests=new, finished_request_ids=finished,
                                block_copies=block_copies, state_copies=state_copies,
-                               host_copies=self.cache.take_host_copies())
+                               host_copies=self.cache.take_host_copies(), shared_ops=self.cache.take_shared_ops())
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[StepEvent]:
         """Advance the computed counters, append sampled tokens, finish requests that hit a stop condition."""
         events = []
         self.cache.end_step()
+        if out.shared_ops is not None and out.shared_ops.fetches:
+            self.cache.finish_fetches(result.shared_fetched)
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -191,6 +193,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], scheduled: set[str]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting.peek()
+            if self.cache.prefetch(request):
+                break  # its prefix is being fetched from the shared store this step: admitted after it
             hit = self.cache.match(request)
             if self._inflight_prefix(request, hit.length):
                 break  # a running prefill is about to checkpoint more of this prompt: wait for it

@@ -1,0 +1,115 @@
+"""A worker rank's traffic with the shared store (L3): its part of each block and state written through from the
+device caches (in a background thread, so a slow store never holds a step up), and fetched into the host tier."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from deltaserve.cache.manager import SharedStoreOps
+from deltaserve.layers.forward_batch import KDALayerCache, LayerCache, MLALayerCache
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED_PUTS = 4096
+"""Puts waiting for the background thread; past it new ones are dropped (a store slower than the engine)."""
+
+
+class ByteStore(Protocol):
+    """What this needs of a `kvstore.KVStore`."""
+
+    def put(self, key: str, value: bytes) -> bool: ...
+
+    def get(self, key: str) -> bytes | None: ...
+
+
+def _parts(caches: Sequence[LayerCache], kind: str, index: int) -> list[torch.Tensor]:
+    """The tensors of one entry, in a fixed order: every MLA layer's block (`kv`), or every KDA layer's recurrent
+    state then conv window (`state`)."""
+    if kind == "kv":
+        return [c.kv[index] for c in caches if isinstance(c, MLALayerCache)]
+    out = []
+    for c in caches:
+        if isinstance(c, KDALayerCache):
+            out += [c.state[index], c.conv[index]]
+    return out
+
+
+def pack(caches: Sequence[LayerCache], kind: str, index: int) -> bytes:
+    """One entry's bytes (this rank's part)."""
+    flat = [t.detach().contiguous().view(torch.uint8).reshape(-1).cpu() for t in _parts(caches, kind, index)]
+    return torch.cat(flat).numpy().tobytes()
+
+
+def unpack(data: bytes, caches: Sequence[LayerCache], kind: str, index: int) -> bool:
+    """Write an entry's bytes into `caches`; False (nothing trusted) when the length does not match exactly."""
+    targets = _parts(caches, kind, index)
+    if len(data) != sum(t.numel() * t.element_size() for t in targets):
+        return False
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    offset = 0
+    for t in targets:
+        n = t.numel() * t.element_size()
+        t.view(torch.uint8).reshape(-1).copy_(buf[offset:offset + n])
+        offset += n
+    return True
+
+
+def rank_suffix(rank: int, size: int) -> str:
+    """What rank `rank` of `size` appends to every key: each rank stores its own part (its heads' states)."""
+    return f"/r{rank}of{size}"
+
+
+class SharedStoreIO:
+    """Rank `rank` of `size`'s reads and writes (keys end in `rank_suffix`)."""
+
+    def __init__(self, store: ByteStore, rank: int, size: int) -> None:
+        self.store, self.suffix = store, rank_suffix(rank, size)
+        self._puts: queue.Queue[tuple[str, bytes] | None] = queue.Queue(MAX_QUEUED_PUTS)
+        self._thread = threading.Thread(target=self._put_loop, name="shared-store-puts", daemon=True)
+        self._thread.start()
+        self.dropped_puts = 0
+
+    def run(self, ops: SharedStoreOps, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
+            ) -> list[bool]:
+        """Queue the puts (read from `caches` now), then do the fetches into `host_caches`; per fetch, whether it
+        arrived whole and of the right size (the store itself checks each entry's checksum)."""
+        for kind, key, where in ops.puts:
+            try:
+                self._puts.put_nowait((key + self.suffix, pack(caches, kind, where)))
+            except queue.Full:
+                self.dropped_puts += 1
+        fetched = []
+        for kind, key, host_id in ops.fetches:
+            data = None if host_caches is None else self.store.get(key + self.suffix)
+            fetched.append(data is not None and host_caches is not None and unpack(data, host_caches, kind, host_id))
+        return fetched
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait until every queued put was attempted (tests, shutdown)."""
+        done = threading.Event()
+
+        def wait() -> None:
+            self._puts.join()
+            done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        done.wait(timeout_s)
+
+    def close(self) -> None:
+        self._puts.put(None)
+
+    def _put_loop(self) -> None:
+        while True:
+            item = self._puts.get()
+            try:
+                if item is None:
+                    return
+                self.store.put(*item)  # never raises: a failing store is counted in its stats
+            finally:
+                self._puts.task_done()
