@@ -60,11 +60,13 @@ class LLM:
         structured_output_backend: "llguidance" (default) or "xgrammar", for `SamplingParams.structured`.
         speculative_config: speculative decoding, as a dict, its JSON text (vLLM's keys, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 3}``) or a `SpeculativeConfig`; none: plain decoding.
-        **engine_args: fields of `CacheConfig` (block_size, cache_memory, num_blocks, num_state_slots),
+        **engine_args: fields of `CacheConfig` (block_size, cache_memory, num_blocks, num_state_slots,
+            host_cache_memory / kv_offloading_size for the host tier, shared_cache_url for the shared store),
             `SchedulerConfig` (max_num_batched_tokens, max_num_seqs, policy, watchdog_timeout_s) and
-            `ParallelConfig` (distributed_executor_backend: "uni", the default, or "mp" for a worker process;
-            data_parallel_size: N > 1 runs N engine processes behind a router, each with its share of the CPU
-            threads, and load_balance_method).
+            `ParallelConfig` (tensor_parallel_size, enable_expert_parallel, enable_eplb; distributed_executor_backend:
+            "uni" for one rank in this process (the default for one rank), "mp" for worker processes (the default
+            for several) or "ray" (ray_address); data_parallel_size: N > 1 runs N engine processes behind a
+            router, each with its share of the CPU threads, and load_balance_method).
     """
 
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
