@@ -85,7 +85,7 @@ def test_long_random_run_leaks_nothing():
     rng = random.Random(0)
     m = manager(num_blocks=16, host_blocks=10, host_slots=3)
     bases = [list(range(1000 * k, 1000 * k + 24)) for k in range(4)]
-    for i in range(200):
+    for _ in range(200):
         r = req(rng.choice(bases)[: rng.randint(5, 24)] + [rng.randint(0, 50) for _ in range(rng.randint(0, 9))])
         hit = m.match(r)
         if not m.allocate(r.request_id, r.num_prompt_tokens, hit):
