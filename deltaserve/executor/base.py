@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
@@ -58,3 +58,25 @@ class Executor(Protocol):
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
         ...
+
+
+class BroadcastExecutor:
+    """The `Executor` methods shared by the executors that send every call to all ranks and answer with rank 0's
+    result: a subclass provides `_infos` (every rank's `WorkerInfo`) and `_call`."""
+
+    _infos: list[WorkerInfo]
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run `method(*args)` on every rank's worker; rank 0's result."""
+        raise NotImplementedError
+
+    def describe(self) -> WorkerInfo:
+        return merge_infos(self._infos)
+
+    def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
+        self._call("initialize_cache", layout, num_slots)
+
+    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+        result = self._call("execute_model", out)
+        assert isinstance(result, RunnerOutput)
+        return result

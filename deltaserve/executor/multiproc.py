@@ -20,10 +20,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from deltaserve.cache.planner import CacheLayout
 from deltaserve.config import EngineConfig
-from deltaserve.executor.base import WorkerDiedError, WorkerInfo, merge_infos
-from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
+from deltaserve.executor.base import BroadcastExecutor, WorkerDiedError, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +37,7 @@ class WorkerError(RuntimeError):
         self.traceback = traceback
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(BroadcastExecutor):
     """`world_size` worker processes (spawned), each loading the model; the engine core talks to them by pipe."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -70,17 +68,6 @@ class MultiprocExecutor:
         logger.info("%d worker process(es) ready: pids %s", self.world_size, [p.pid for p in self._procs])
 
     # -- the Executor protocol -----------------------------------------------------------------------------------
-
-    def describe(self) -> WorkerInfo:
-        return merge_infos(self._infos)
-
-    def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
-        self._call("initialize_cache", layout, num_slots)
-
-    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
-        result = self._call("execute_model", out)
-        assert isinstance(result, RunnerOutput)
-        return result
 
     def shutdown(self) -> None:
         """Ask every worker to exit, wait for it, kill it if it does not. Idempotent."""

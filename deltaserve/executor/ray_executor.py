@@ -33,11 +33,9 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from deltaserve import envs
-from deltaserve.cache.planner import CacheLayout
 from deltaserve.config import EngineConfig
-from deltaserve.executor.base import WorkerDiedError, WorkerInfo, merge_infos
+from deltaserve.executor.base import BroadcastExecutor, WorkerDiedError, WorkerInfo
 from deltaserve.executor.multiproc import WorkerError, free_port
-from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -101,7 +99,7 @@ class RayWorker:
         return "ok", result if self.rank == 0 else None, ""
 
 
-class RayExecutor:
+class RayExecutor(BroadcastExecutor):
     """`world_size` Ray actors, one per rank, each loading its shard of the model."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -136,17 +134,6 @@ class RayExecutor:
                     f", rendezvous {init_method}" if init_method else "")
 
     # -- the Executor protocol -----------------------------------------------------------------------------------
-
-    def describe(self) -> WorkerInfo:
-        return merge_infos(self._infos)
-
-    def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
-        self._call("initialize_cache", layout, num_slots)
-
-    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
-        result = self._call("execute_model", out)
-        assert isinstance(result, RunnerOutput)
-        return result
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group, and stop Ray if this executor started it. Idempotent."""
