@@ -158,7 +158,8 @@ class CacheManager:
         """This step's fetches, in the order of `SharedStoreOps.fetches`."""
         self._probed: set[str] = set()
         self._put_keys: OrderedDict[str, None] = OrderedDict()
-        self.shared_hit_tokens = self.shared_fetch_failures = 0
+        self.shared_fetched = self.shared_fetch_failures = 0
+        """Entries fetched from the shared store and published, and fetches that failed (on some rank)."""
         self._held: dict[str, _Holding] = {}
         self._hashes: dict[str, list[int]] = {}
         self._block_copies: list[tuple[int, int, int]] = []
@@ -341,7 +342,9 @@ class CacheManager:
         for i, (kind, key) in enumerate(self._step_fetches):
             ok = i < len(fetched) and fetched[i]
             self.host.publish(kind, key, ok)
-            if not ok:
+            if ok:
+                self.shared_fetched += 1
+            else:
                 self.shared_fetch_failures += 1
         self._step_fetches = []
         self._fetching.clear()

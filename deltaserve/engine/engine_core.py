@@ -275,7 +275,8 @@ class EngineCore:
                                 + prefix.host_checkpoints_demoted * self.cache.bytes_per_slot),
             host_promoted_bytes=(prefix.host_blocks_promoted * self.cache.block_bytes
                                  + prefix.host_checkpoints_promoted * self.cache.bytes_per_slot),
-            host_copy_seconds=self.stats.host_copy_seconds,
+            host_copy_seconds=self.stats.host_copy_seconds, shared_fetched=self.cache.shared_fetched,
+            shared_fetch_failures=self.cache.shared_fetch_failures,
         )
 
     def step(self) -> list[EngineCoreOutput]:

@@ -55,3 +55,7 @@ class EngineStats:
     """Bytes copied from the host tier back to the device, per rank (cumulative)."""
     host_copy_seconds: float = 0.0
     """Time rank 0 spent on those copies (cumulative)."""
+    shared_fetched: int = 0
+    """Entries (blocks, states) fetched from the shared store into the host tier (cumulative)."""
+    shared_fetch_failures: int = 0
+    """Fetches from the shared store that failed on some rank: a miss, corrupt, or the store down (cumulative)."""

@@ -42,6 +42,8 @@ def test_second_engine_hits_what_the_first_computed(store_server, tiny_dir, vari
     assert [cached for _, cached in got] == [80, 96]  # the last full block of each (a state there), from the store
     stats = second.engine.cache.prefix_stats()
     assert stats.host_hit_tokens == 176 and second.engine.cache.shared_fetch_failures == 0
+    engine_stats = second.engine.get_stats()
+    assert engine_stats.shared_fetched > 0 and engine_stats.shared_fetch_failures == 0
 
 
 def test_a_corrupt_entry_or_a_dead_store_recomputes(store_server, tiny_dir):
@@ -60,6 +62,7 @@ def test_a_corrupt_entry_or_a_dead_store_recomputes(store_server, tiny_dir):
     (ids, cached), = tokens(second, [prompt])
     assert ids == reference and cached == 0
     assert second.engine.cache.shared_fetch_failures > 0
+    assert second.engine.get_stats().shared_fetch_failures == second.engine.cache.shared_fetch_failures
     assert second.engine.executor.worker.runner.shared.store.stats.corrupt > 0
     first.shutdown()
     second.shutdown()

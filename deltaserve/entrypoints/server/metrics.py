@@ -119,6 +119,11 @@ class _EngineStatsCollector:
         yield counter("host_cache_promoted_bytes", "Bytes copied from the host tier back to the device, per rank.",
                       s.host_promoted_bytes)
         yield counter("host_cache_copy_seconds", "Time spent copying to and from the host tier.", s.host_copy_seconds)
+        yield counter("shared_cache_fetches", "Entries fetched from the shared store (L3) into the host tier.",
+                      s.shared_fetched)
+        yield counter("shared_cache_fetch_failures",
+                      "Shared-store fetches that failed (missing, corrupt, store down): the request recomputes.",
+                      s.shared_fetch_failures)
         yield counter("num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
         yield gauge("engine_stats_age_seconds", "Age of the engine stats snapshot these engine metrics come from.",
                     self.snapshot.age_s or 0.0)
