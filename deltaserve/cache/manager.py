@@ -297,9 +297,16 @@ class CacheManager:
                                        or self.host.full_block(hashes[local]) is not None):
             local += 1
         stable = self._stable_chain(request, len(hashes))
-        end = local
-        while end < len(hashes) and self.shared.contains(f"kv/{stable[end]}"):
-            end += 1
+        # How far the store's blocks reach, by bisection (O(log n) lookups, not one per block): the engines write
+        # every block of a chain, so the blocks present form a prefix; where one is missing after all (evicted), its
+        # fetch fails and the hit is just shorter.
+        end, top = local, len(hashes)
+        while end < top:
+            mid = (end + top + 1) // 2
+            if self.shared.contains(f"kv/{stable[mid - 1]}"):
+                end = mid
+            else:
+                top = mid - 1
         current = self.match(request).length
         step = max(1, (self.checkpoint_interval or bs) // bs)
         # The deepest boundary past the current hit with a state: the end of the blocks, then checkpoint intervals.

@@ -104,3 +104,36 @@ def test_long_random_run_leaks_nothing():
         assert len(ids) == len(set(ids)) <= tier.capacity
         assert all(e.pins == 0 for e in tier.entries.values())
     assert m.prefix_stats().host_blocks_promoted > 0
+
+
+class _Lookup:
+    """A store's existence check for the prefetch bookkeeping: every key but the `missing` ones."""
+
+    def __init__(self, missing: set[str] | None = None) -> None:
+        self.missing, self.calls = missing or set(), 0
+
+    def contains(self, key: str) -> bool:
+        self.calls += 1
+        return key not in self.missing
+
+
+def test_prefetch_reserves_fetches_then_publishes_what_arrived():
+    """A prompt the store holds: host entries reserved (invisible), the request waits a step, the fetched ones are
+    published; a block that failed to arrive is dropped and the hit stops before it."""
+    store = _Lookup()
+    m = CacheManager(num_blocks=64, num_slots=4, block_size=BS, num_checkpoint_slots=4, bytes_per_slot=100,
+                     enable_prefix_caching=True, checkpoint_interval=8, num_host_blocks=32, num_host_slots=8,
+                     shared=store)
+    r = req(list(range(300, 341)))  # 41 tokens: 10 full blocks below the last token
+    assert m.prefetch(r) and m.prefetch(r)  # waits until the step's fetches are published
+    ops = m.take_shared_ops()
+    assert ops is not None and [k for k, _, _ in ops.fetches].count("kv") == 10 and ops.fetches[-1][0] == "state"
+    assert store.calls < 10  # bisection, plus the state lookup
+    assert m.match(r).length == 0  # reserved entries are invisible until published
+    results = [True] * len(ops.fetches)
+    results[6] = False  # block 6 did not arrive
+    m.finish_fetches(results)
+    assert not m.prefetch(r)  # probed once: admitted now
+    # Blocks 0-5 are back but block 6 is not, and no state sits at block 6: no hit reaches past it.
+    assert m.match(r).length == 0 and m.shared_fetched == len(ops.fetches) - 1 and m.shared_fetch_failures == 1
+    assert len(m.host.blocks.entries) == 9 and all(e.pins == 0 for e in m.host.blocks.entries.values())
