@@ -8,22 +8,27 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "deltaserve"
 
 # What each top-level part may import (besides itself). Lower layers first; see docs/structure.md.
-BASE = {"config", "sampling_params", "outputs", "request", "envs", "utils", "text", "parsers", "chat", "default_model"}
+BASE = {"config", "sampling_params", "outputs", "request", "envs", "utils", "text", "parsers", "chat", "default_model",
+        "multimodal"}
 ALLOWED: dict[str, set[str]] = {
     **{name: BASE for name in BASE},
     "ops": {"envs", "utils"},
     "distributed": BASE,
     "cache": BASE,
     "kvstore": BASE,  # the shared KV store (L3): no torch
+    "kvtransfer": BASE | {"kvstore"},  # P/D transports (no torch); entry framing from kvstore
     "scheduler": BASE | {"cache"},
     "layers": BASE | {"ops", "distributed"},
     "models": BASE | {"ops", "layers", "cache", "distributed"},
     "structured": BASE,
-    "runner": BASE | {"ops", "layers", "models", "cache", "scheduler", "structured", "distributed", "kvstore"},
+    "runner": BASE | {"ops", "layers", "models", "cache", "scheduler", "structured", "distributed", "kvstore",
+               "kvtransfer"},
     "spec_decode": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "distributed"},
     "disagg": BASE | {"cache", "scheduler", "runner"},
-    "executor": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "distributed", "kvstore"},
-    "engine": BASE | {"cache", "scheduler", "spec_decode", "disagg", "structured", "executor", "kvstore"},
+    "executor": BASE | {"ops", "layers", "models", "cache", "scheduler", "runner", "distributed", "kvstore",
+                 "kvtransfer"},
+    "engine": BASE | {"cache", "scheduler", "spec_decode", "disagg", "structured", "executor", "kvstore",
+               "kvtransfer"},
     "entrypoints": BASE | {"engine", "structured"},
     # models: to write a tiny checkpoint when none is given; layers, cache: the roofline reads the loaded model's
     # expert modules and cache specs; scheduler: the step observer's SchedulerOutput type.

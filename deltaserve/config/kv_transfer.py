@@ -1,0 +1,104 @@
+"""`KVTransferConfig`: prefill/decode disaggregation (vLLM's `--kv-transfer-config` JSON and key names).
+
+Each error is one line naming its field (`kv_transfer_config.kv_role must be ...`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+CONNECTORS = {
+    # our names, and vLLM's connector class names for the same transports
+    "shm": "shm", "tcp": "tcp", "nixl": "nixl", "mooncake": "mooncake",
+    "DeltaConnector": "shm", "SharedMemoryConnector": "shm", "TcpConnector": "tcp",
+    "NixlConnector": "nixl", "MooncakeConnector": "mooncake",
+}
+"""kv_connector value -> transport. 'shm' (the default) moves payloads through shared memory when both instances
+are on one host and over TCP otherwise; 'tcp' always over TCP; 'nixl' and 'mooncake' use those libraries."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVTransferConfig:
+    """This instance's part in a disaggregated deployment: a prefill instance (`kv_producer`) computes prompts and
+    hands their KV blocks and KDA state to a decode instance (`kv_consumer`), which decodes; `kv_both` does
+    either, per request (the request's `kv_transfer_params` say which)."""
+
+    kv_connector: str = "shm"
+    """Transport: 'shm' (shared memory on one host, TCP between hosts; nothing to install), 'tcp', 'nixl' or
+    'mooncake' (optional libraries); vLLM's names 'NixlConnector', 'MooncakeConnector' are accepted."""
+    kv_role: str = "kv_both"
+    """'kv_producer' (prefill), 'kv_consumer' (decode) or 'kv_both'."""
+    kv_ip: str = "127.0.0.1"
+    """Address the producer's transfer servers listen on and advertise (one per rank, on free ports)."""
+    kv_port: int = 0
+    """First port of the transfer servers (rank r uses kv_port + r); 0: any free port."""
+    kv_buffer_size: float = 4e9
+    """Bytes of payloads a producer rank holds for consumers that have not fetched them yet (oldest dropped past
+    it: their decode instances recompute)."""
+    transfer_timeout_s: float = 30.0
+    """A consumer's fetch that takes longer fails (and the decode instance recomputes the prompt)."""
+    transfer_ttl_s: float = 120.0
+    """A producer drops a payload not fetched within this time."""
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """Options of the transport (see its module)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(_err("kv_connector", f"must be one of {', '.join(map(repr, CONNECTORS))}",
+                                  self.kv_connector))
+        if self.kv_role not in ROLES:
+            raise ValueError(_err("kv_role", f"must be one of {', '.join(map(repr, ROLES))}", self.kv_role))
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(_err("kv_ip", "must be a host name or address", self.kv_ip))
+        if not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool) or not 0 <= self.kv_port < 65536:
+            raise ValueError(_err("kv_port", "must be an integer port 0..65535", self.kv_port))
+        for name in ("kv_buffer_size", "transfer_timeout_s", "transfer_ttl_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(_err(name, "must be a number > 0", value))
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(_err("kv_connector_extra_config", "must be a JSON object", self.kv_connector_extra_config))
+
+    @property
+    def transport(self) -> str:
+        """The transport's name: 'shm', 'tcp', 'nixl' or 'mooncake'."""
+        return CONNECTORS[self.kv_connector]
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_json(cls, value: str | dict[str, Any] | KVTransferConfig) -> KVTransferConfig:
+        """Parse a JSON object (text or a decoded dict), as given to `--kv-transfer-config`. Unknown keys, wrong
+        types and bad values raise a one-line ValueError naming the field."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r:.60}")
+        known = [f.name for f in fields(cls)]
+        # vLLM keys we accept and ignore: they size or name things we do not have.
+        ignored = {"kv_rank", "kv_parallel_size", "engine_id", "kv_buffer_device", "kv_load_failure_policy"}
+        unknown = sorted(set(value) - set(known) - ignored)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown field(s) {', '.join(map(repr, unknown))} "
+                             f"(supported: {', '.join(known)})")
+        if "kv_connector" in value and not isinstance(value["kv_connector"], str):
+            raise ValueError(_err("kv_connector", "must be a string", value["kv_connector"]))
+        return cls(**{k: v for k, v in value.items() if k in known})
+
+
+def _err(name: str, rule: str, value: Any) -> str:
+    return f"kv_transfer_config.{name} {rule}, got {value!r:.60}"
