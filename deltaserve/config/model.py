@@ -14,6 +14,7 @@ from typing import Any
 
 from deltaserve.config.fields import ConfigError, ConfigFields
 from deltaserve.config.quantization import QuantizationConfig, parse_quantization
+from deltaserve.config.vision import VisionConfig, parse_vision
 
 K3_ARCHITECTURE = "KimiK3ForConditionalGeneration"
 # Top-level `architectures[0]` -> the top-level `model_type` it must come with. K3 nests its text model under
@@ -147,6 +148,8 @@ class ModelConfig:
     """K3 Block Attention Residuals: decoder layers per block (`attn_res_block_size`); None: plain residuals."""
     quantization: QuantizationConfig | None = None
     """K3 MXFP4 routed experts; None: every weight is stored unquantised."""
+    vision: VisionConfig | None = None
+    """K3's vision tower and projector (top-level `vision_config`); None: a text-only checkpoint."""
 
     @property
     def kda_layer_ids(self) -> tuple[int, ...]:
@@ -232,6 +235,7 @@ class ModelConfig:
             activation=_activation(f, is_k3),
             attn_res_block_size=f.as_int("attn_res_block_size", default=None) if is_k3 else None,
             quantization=parse_quantization(text, raw, f.prefix, is_k3),
+            vision=parse_vision(raw, f.as_int("hidden_size")) if is_k3 else None,
         )
 
 
