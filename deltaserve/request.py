@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from deltaserve.config.kv_transfer import RemotePrefill
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -53,6 +54,11 @@ class Request:
     skip_prefix_cache: bool = False
     """Compute the whole prompt: no prefix-cache hit, and no waiting for another request's prefix (set by the engine,
     e.g. for a request that wants prompt logprobs, which need every prompt position to run through the model)."""
+    kv_send: str | None = None
+    """Prefill/decode disaggregation, prefill side: the transfer id under which this request's cache (KV blocks and
+    KDA state after its prompt) is published once its prompt is computed."""
+    remote_prefill: RemotePrefill | None = None
+    """Decode side: where a prefill instance holds this request's cache for its first `num_tokens` prompt tokens."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed next tokens (speculative decoding), set before `schedule()` and cleared by the step that verifies
     them; the scheduler may verify fewer (budget, length limits)."""

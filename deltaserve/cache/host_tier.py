@@ -172,7 +172,14 @@ class HostTier:
         if host_id is not None:
             entry = tier.entries[key]
             entry.ready, entry.pins = False, entry.pins + 1
+            if kind == "kv" and key[1] is not None:  # a partial block: findable by its parent once published
+                self._prune_partials()
+                self._partials.setdefault(key[0], set()).add(key[1])
         return host_id
+
+    def holds(self, kind: str, key: BlockKey | CheckpointKey) -> bool:
+        """Whether `key` has an entry, ready or still being fetched."""
+        return key in (self.blocks if kind == "kv" else self.checkpoints).entries
 
     def publish(self, kind: str, key: BlockKey | CheckpointKey, ok: bool) -> None:
         """End a fetch: a good entry becomes findable, a failed one is dropped."""

@@ -20,6 +20,7 @@ from deltaserve.cache.block_hash import chain_hashes, parent_hash
 from deltaserve.cache.block_pool import BlockList, BlockPool
 from deltaserve.cache.host_tier import BlockKey, HostCopies, HostTier
 from deltaserve.cache.prefix_index import Checkpoint, CheckpointIndex, CheckpointKey
+from deltaserve.cache.remote import RemoteFetch
 from deltaserve.cache.state_pool import CHECKPOINT, RUNNING, SCRATCH, StatePool
 from deltaserve.request import Request
 
@@ -160,6 +161,12 @@ class CacheManager:
         self._put_keys: OrderedDict[str, None] = OrderedDict()
         self.shared_fetched = self.shared_fetch_failures = 0
         """Entries fetched from the shared store and published, and fetches that failed (on some rank)."""
+        self._remote_ops: list[RemoteFetch] = []
+        self._remote_step: list[tuple[str, list[tuple[str, BlockKey | CheckpointKey]]]] = []
+        """Per remote fetch of this step: the host entries reserved for it."""
+        self.remote_fetched = self.remote_failures = self.remote_skipped = 0
+        """Disaggregation, decode side: transfers fetched and published, transfers that failed (recomputed), and
+        transfers not fetched (the local cache held the prefix, or the host tier had no room: recomputed)."""
         self._held: dict[str, _Holding] = {}
         self._hashes: dict[str, list[int]] = {}
         self._block_copies: list[tuple[int, int, int]] = []
@@ -337,6 +344,71 @@ class CacheManager:
         self._step_fetches += reserved
         self._shared_ops.fetches.extend(ops)
         return True
+
+    def prefetch_remote(self, request: Request) -> bool:
+        """Before admitting `request` on a decode instance: if a prefill instance computed more of its prompt than
+        the local tiers hold (`request.remote_prefill`), reserve host-tier entries for the blocks and the state
+        that are missing and queue the fetch for this step; True while the request must wait for it (admitted after
+        the step, its hit then comes from the host tier, so the state and the blocks arrive through the same path
+        as any prefix hit). Tried once per request: a fetch that fails is a local recompute."""
+        rid, remote = request.request_id, request.remote_prefill
+        if rid in self._fetching:
+            return True
+        if remote is None or rid in self._probed or not self.host.enabled or request.skip_prefix_cache:
+            return False
+        self._probed.add(rid)
+        bs, length = self.block_size, remote.num_tokens
+        if length > request.num_tokens - 1 or self.match(request).length >= length:
+            self.remote_skipped += 1
+            return False
+        full = length // bs
+        hashes = self.hashes(request, full)
+        parent, tail = parent_hash(hashes, full), tuple(request.token_slice(full * bs, length))
+        wanted: list[tuple[str, BlockKey | CheckpointKey, int, int]] = [
+            ("kv", (h, None), b, 0) for b, h in enumerate(hashes) if self.blocks.lookup(h) is None]
+        if tail and tail not in self.blocks.lookup_partials(parent):
+            wanted.append(("kv", (parent, tail), full, 0))
+        if self.checkpoints.get(self.key(request, length)) is None:
+            wanted.append(("state", self.key(request, length), 0, length))
+        reserved: list[tuple[str, BlockKey | CheckpointKey]] = []
+        parts = []
+        for kind, key, index, n in wanted:
+            if self.host.holds(kind, key):  # in the host tier already, or being fetched for another request
+                continue
+            host_id = self.host.reserve(kind, key, n)
+            if host_id is None:  # no room (everything pinned): recompute instead
+                for k, held_key in reserved:
+                    self.host.publish(k, held_key, ok=False)
+                self.remote_skipped += 1
+                return False
+            reserved.append((kind, key))
+            parts.append((kind, index, host_id))
+        if not parts:
+            return False
+        self._fetching[rid] = reserved
+        self._remote_step.append((rid, reserved))
+        self._remote_ops.append(RemoteFetch(request_id=rid, transfer_id=remote.transfer_id, addresses=remote.addresses,
+                                            num_blocks=self.blocks_for(length), parts=tuple(parts)))
+        return True
+
+    def take_remote_fetches(self) -> list[RemoteFetch]:
+        """This step's fetches from prefill instances."""
+        out, self._remote_ops = self._remote_ops, []
+        return out
+
+    def finish_remote(self, fetched: list[bool]) -> None:
+        """After the step that ran this step's remote fetches: publish what every rank got whole (`fetched`, one per
+        fetch, in order), drop the rest (those requests recompute)."""
+        for i, (rid, reserved) in enumerate(self._remote_step):
+            ok = i < len(fetched) and fetched[i]
+            self._fetching.pop(rid, None)
+            for kind, key in reserved:
+                self.host.publish(kind, key, ok)
+            if ok:
+                self.remote_fetched += 1
+            else:
+                self.remote_failures += 1
+        self._remote_step = []
 
     def take_shared_ops(self) -> SharedStoreOps | None:
         """This step's puts to and fetches from the shared store (None when there are none)."""

@@ -2,6 +2,7 @@
 
 from deltaserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_memory
 from deltaserve.config.fields import ConfigError
+from deltaserve.config.kv_transfer import KVTransferConfig, RemotePrefill
 from deltaserve.config.model import ActivationConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
 from deltaserve.config.parallel_check import check_parallel
 from deltaserve.config.quantization import QuantizationConfig
@@ -15,6 +16,8 @@ __all__ = [
     "ConfigError",
     "EngineConfig",
     "KDAConfig",
+    "KVTransferConfig",
+    "RemotePrefill",
     "MLAConfig",
     "ModelConfig",
     "MoEConfig",

@@ -5,10 +5,12 @@ Each field is documented once here; `deltaserve ... --help` is generated from th
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
 from deltaserve.config.fields import check_field_types
+from deltaserve.config.kv_transfer import KVTransferConfig
 from deltaserve.config.speculative import SpeculativeConfig
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -217,6 +219,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (`--speculative-config` JSON, vLLM's keys); none: plain decoding."""
+    kv_transfer_config: KVTransferConfig | None = None
+    """Prefill/decode disaggregation (`--kv-transfer-config` JSON, vLLM's keys): this instance's role and transport.
+    A decode instance fetches transferred prefixes into the host tier (512MiB unless host_cache_memory says
+    otherwise); both sides need prefix caching."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -231,3 +237,10 @@ class EngineConfig:
         if self.structured_output_backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"structured_output_backend={self.structured_output_backend!r} is not supported "
                              "(supported: 'llguidance', 'xgrammar')")
+        kv = self.kv_transfer_config
+        if kv is not None:
+            if not self.cache.enable_prefix_caching:
+                raise ValueError("kv_transfer_config needs enable_prefix_caching: the transferred blocks and state "
+                                 "enter the prefix cache")
+            if kv.is_consumer and self.cache.host_cache_memory is None:  # where fetched caches land
+                object.__setattr__(self, "cache", dataclasses.replace(self.cache, host_cache_memory="512MiB"))

@@ -5,6 +5,7 @@ Each error is one line naming its field (`kv_transfer_config.kv_role must be ...
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -102,3 +103,63 @@ class KVTransferConfig:
 
 def _err(name: str, rule: str, value: Any) -> str:
     return f"kv_transfer_config.{name} {rule}, got {value!r:.60}"
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """A digest of prompt token ids: the decode instance checks that the transferred cache is for its own prompt
+    (two instances may render or tokenise a request differently)."""
+    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemotePrefill:
+    """A decode instance's request whose prompt a prefill instance computed: where to fetch the cache (the
+    `kv_transfer_params` the prefill instance returned, which the router passes on)."""
+
+    transfer_id: str
+    addresses: tuple[str, ...]
+    """The producer's transfer server per tensor-parallel rank."""
+    num_tokens: int
+    """Prompt tokens whose KV and state were computed (all but the last: the decode instance computes that one and
+    samples the first output token, so the handoff token is fed exactly once)."""
+    prompt_digest: str
+    """`prompt_digest` of those tokens."""
+
+    def as_params(self) -> dict[str, Any]:
+        """The `kv_transfer_params` object a prefill instance returns."""
+        return {"do_remote_prefill": True, "transfer_id": self.transfer_id, "remote_addresses": list(self.addresses),
+                "num_tokens": self.num_tokens, "prompt_digest": self.prompt_digest}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
+        """Parse `kv_transfer_params` with `do_remote_prefill`; ValueError naming the bad field."""
+        tid, addresses, n, digest = (params.get(k) for k in ("transfer_id", "remote_addresses", "num_tokens",
+                                                             "prompt_digest"))
+        if not isinstance(tid, str) or not tid:
+            raise ValueError(f"kv_transfer_params.transfer_id must be a non-empty string, got {tid!r:.60}")
+        if (not isinstance(addresses, list) or not addresses
+                or not all(isinstance(a, str) and "://" in a for a in addresses)):
+            raise ValueError("kv_transfer_params.remote_addresses must be a non-empty list of 'scheme://...' "
+                             f"strings, got {addresses!r:.80}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"kv_transfer_params.num_tokens must be an integer >= 1, got {n!r:.60}")
+        if not isinstance(digest, str) or not digest:
+            raise ValueError(f"kv_transfer_params.prompt_digest must be a non-empty string, got {digest!r:.60}")
+        return cls(transfer_id=tid, addresses=tuple(addresses), num_tokens=n, prompt_digest=digest)
+
+
+def parse_transfer_request(params: Any) -> tuple[bool, RemotePrefill | None]:
+    """A request's `kv_transfer_params`: (do_remote_decode, the remote prefill to fetch). ValueError naming the
+    field for a malformed object; None and unknown flags are no transfer."""
+    if params is None:
+        return False, None
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be a JSON object, got {params!r:.60}")
+    for flag in ("do_remote_decode", "do_remote_prefill"):
+        if not isinstance(params.get(flag, False), bool):
+            raise ValueError(f"kv_transfer_params.{flag} must be a boolean, got {params[flag]!r:.60}")
+    if params.get("do_remote_decode") and params.get("do_remote_prefill"):
+        raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")
+    remote = RemotePrefill.from_params(params) if params.get("do_remote_prefill") else None
+    return bool(params.get("do_remote_decode")), remote

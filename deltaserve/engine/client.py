@@ -28,6 +28,7 @@ import tempfile
 import weakref
 from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -183,7 +184,8 @@ class AsyncEngineClient:
     # -- requests ------------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
+                       kv_transfer_params: dict[str, Any] | None = None
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Add a request (when iteration starts) and yield one output per engine step that produced tokens for it,
         until the one with `finish_reason` set. `session_id` (a routing hint) is ignored: there is one engine.
@@ -200,7 +202,7 @@ class AsyncEngineClient:
         try:
             message = self._encoder.encode(AddRequest(
                 request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-                eos_token_ids=eos_token_ids, priority=priority))
+                eos_token_ids=eos_token_ids, priority=priority, kv_transfer_params=kv_transfer_params))
         except (OverflowError, UnicodeEncodeError, TypeError) as exc:  # a value the wire cannot carry
             raise EngineRequestError(f"the request cannot be sent to the engine: {exc}") from exc
         queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()

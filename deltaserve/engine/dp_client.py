@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 from deltaserve import envs
 from deltaserve.config import EngineConfig
@@ -141,7 +142,8 @@ class DPEngineClient:
     # -- requests --------------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
+                       kv_transfer_params: dict[str, Any] | None = None
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Route the request (when iteration starts) and stream it from its replica; the protocol's contract.
         EngineDeadError when every replica is dead, or when the request's replica dies while it runs."""
@@ -159,7 +161,8 @@ class DPEngineClient:
         output: list[int] = []
         try:
             outputs = self.replicas[index].generate(request_id, prompt_token_ids, params,
-                                                    eos_token_ids=eos_token_ids, priority=priority)
+                                                    eos_token_ids=eos_token_ids, priority=priority,
+                                                    kv_transfer_params=kv_transfer_params)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if record:

@@ -10,13 +10,17 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.planner import CacheLayout, plan_cache
+from deltaserve.cache.remote import TransferResult
 from deltaserve.cache.spec import StateCacheSpec
-from deltaserve.config import EngineConfig, ModelConfig, check_parallel, parse_memory
+from deltaserve.config import EngineConfig, ModelConfig, RemotePrefill, check_parallel, parse_memory
+from deltaserve.config.kv_transfer import parse_transfer_request, prompt_digest
 from deltaserve.engine.hooks import GrammarHook, ProposerHook, StepHook
 from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.stats import EngineStats
@@ -52,6 +56,33 @@ class StepStats:
     @property
     def overhead_share(self) -> float:
         return 1.0 - self.forward_seconds / self.total_seconds if self.total_seconds else 0.0
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    """Disaggregation counters the core adds up from the workers' step results (the cache manager counts fetches)."""
+
+    sent: int = 0
+    sent_kv_bytes: int = 0
+    sent_state_bytes: int = 0
+    received_kv_bytes: int = 0
+    received_state_bytes: int = 0
+    seconds: float = 0.0
+    fallbacks: int = 0
+
+    def add(self, result: TransferResult | None, world_size: int) -> set[str]:
+        """Count one step's transfers (rank 0's bytes times the ranks: every rank moves an equal part); returns
+        the requests whose cache was published."""
+        if result is None:
+            return set()
+        self.sent += len(result.sent)
+        for kv, state in result.sent.values():
+            self.sent_kv_bytes += kv * world_size
+            self.sent_state_bytes += state * world_size
+        self.received_kv_bytes += result.received[0] * world_size
+        self.received_state_bytes += result.received[1] * world_size
+        self.seconds += result.seconds
+        return set(result.sent)
 
 
 class EngineCore:
@@ -97,11 +128,16 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         """Prompt logprobs computed by prefill chunks, until the request's first output carries them."""
+        self.engine_id = uuid.uuid4().hex[:12]
+        self._sends: dict[str, RemotePrefill] = {}
+        """Prefill side: the transfer each producer request publishes, returned with its last output once sent."""
+        self.transfer = TransferCounters()
 
     def _plan_cache(self, proposer: Proposer | None) -> None:
         """Size the pools from the workers' free memory, tell the workers to allocate them, build the manager."""
         cc = self.config.cache
         info = self.executor.describe()
+        self.transfer_addresses = info.transfer_addresses
         available = info.available_memory_bytes
         budget = parse_memory(cc.cache_memory, available)
         per_slot = sum(s.bytes_per_slot for s in info.cache_specs if isinstance(s, StateCacheSpec))
@@ -196,8 +232,14 @@ class EngineCore:
                              "(room for one generated token is needed)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    eos_token_ids: frozenset[int] = frozenset(), priority: int = 0) -> None:
-        """Queue a request (n must be 1 here: the frontend fans n out). ValueError on bad input."""
+                    eos_token_ids: frozenset[int] = frozenset(), priority: int = 0,
+                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+        """Queue a request (n must be 1 here: the frontend fans n out). ValueError on bad input.
+
+        `kv_transfer_params` (prefill/decode disaggregation): `{"do_remote_decode": true}` on a prefill instance
+        computes the prompt but its last token, publishes that cache and finishes (its last output carries the
+        `kv_transfer_params` for the decode instance); a prefill instance's object on a decode instance fetches
+        that cache before the request starts. An instance without the role computes the request itself."""
         if params.n != 1:
             raise ValueError("EngineCore.add_request takes n=1 sampling params; fan out n in the frontend")
         if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
@@ -208,17 +250,48 @@ class EngineCore:
             raise ValueError(f"allowed_token_ids has no token in the vocabulary [0, {vocab})")
         if self.structured.is_pending(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        send, remote = self._transfer_role(request_id, prompt_token_ids, kv_transfer_params)
+        if send is not None:  # the prefill side: the prompt but its last token, then one throwaway greedy token
+            prompt_token_ids = prompt_token_ids[:send.num_tokens]
+            params = SamplingParams(max_tokens=1, temperature=0.0)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         request = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params, stop_token_ids=stops,
             arrival_index=next(self._arrivals), priority=priority, max_total_tokens=self.max_model_len,
             skip_prefix_cache=params.prompt_logprobs is not None,  # every prompt position must run the model
+            kv_send=None if send is None else send.transfer_id, remote_prefill=remote,
         )
+        if send is not None:
+            self._sends[request_id] = send
         if params.structured is None:
             self.scheduler.add_request(request)
         else:  # compiled in a thread; queued in the scheduler by the first step() after it is ready
             self.scheduler.check_request(request)
             self.structured.submit(request)
+
+    def _transfer_role(self, request_id: str, prompt: list[int], params: dict[str, Any] | None
+                       ) -> tuple[RemotePrefill | None, RemotePrefill | None]:
+        """(the transfer this prefill-side request publishes, the one this decode-side request fetches) from its
+        `kv_transfer_params`; ValueError naming the field for a malformed object."""
+        do_remote_decode, remote = parse_transfer_request(params)
+        kv = self.config.kv_transfer_config
+        if do_remote_decode:
+            if kv is None or not kv.is_producer or len(prompt) < 2:  # computed here in full instead
+                return None, None
+            n = len(prompt) - 1
+            return RemotePrefill(transfer_id=f"{self.engine_id}-{next(self._arrivals)}-{request_id}",
+                                 addresses=self.transfer_addresses, num_tokens=n,
+                                 prompt_digest=prompt_digest(prompt[:n])), None
+        if remote is None:
+            return None, None
+        if kv is None or not kv.is_consumer or len(remote.addresses) != self.config.parallel.world_size or \
+                remote.num_tokens != len(prompt) - 1 or remote.prompt_digest != prompt_digest(prompt[:-1]):
+            logger.warning("request %s: kv_transfer_params do not fit this instance or prompt (%d rank(s), %d prompt "
+                           "tokens; the transfer has %d rank(s), %d tokens): computing it here", request_id,
+                           self.config.parallel.world_size, len(prompt), len(remote.addresses), remote.num_tokens)
+            self.transfer.fallbacks += 1
+            return None, None
+        return None, remote
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request at any time; every block and slot it held is freed. Unknown ids are ignored."""
@@ -229,6 +302,7 @@ class EngineCore:
         if self.structured.cancel(request_id) is None:
             self.scheduler.finish_request(request_id, reason)
         self._prompt_logprobs.pop(request_id, None)
+        self._sends.pop(request_id, None)
         self.grammar_hook.forget(request_id)
         if self.proposer_hook is not None:
             self.proposer_hook.forget(request_id)
@@ -277,6 +351,12 @@ class EngineCore:
                                  + prefix.host_checkpoints_promoted * self.cache.bytes_per_slot),
             host_copy_seconds=self.stats.host_copy_seconds, shared_fetched=self.cache.shared_fetched,
             shared_fetch_failures=self.cache.shared_fetch_failures,
+            kv_transfer_sent=self.transfer.sent, kv_transfer_sent_kv_bytes=self.transfer.sent_kv_bytes,
+            kv_transfer_sent_state_bytes=self.transfer.sent_state_bytes, kv_transfer_received=self.cache.remote_fetched,
+            kv_transfer_received_kv_bytes=self.transfer.received_kv_bytes,
+            kv_transfer_received_state_bytes=self.transfer.received_state_bytes,
+            kv_transfer_seconds=self.transfer.seconds, kv_transfer_failures=self.cache.remote_failures,
+            kv_transfer_fallbacks=self.transfer.fallbacks + self.cache.remote_skipped,
         )
 
     def step(self) -> list[EngineCoreOutput]:
@@ -305,6 +385,7 @@ class EngineCore:
         self.stats.total_seconds += elapsed
         self.stats.forward_seconds += result.forward_seconds
         self.stats.host_copy_seconds += result.host_copy_seconds
+        sent = self.transfer.add(result.transfer, self.config.parallel.world_size)
         if self.step_observer is not None:
             self.step_observer(out, elapsed)
         for e in events:
@@ -315,9 +396,18 @@ class EngineCore:
                 finish_reason=e.finish_reason if error is None else FinishReason.ERROR,
                 num_cached_tokens=e.request.num_cached_tokens or 0, error=error,
                 prompt_logprobs=self._first_prompt_logprobs(e.request, len(e.tokens)),
+                kv_transfer_params=self._sent_params(e.request.request_id, sent, e.finish_reason),
             ))
         self._in_step = None
         return outputs
+
+    def _sent_params(self, request_id: str, sent: set[str], finish_reason: FinishReason | None
+                     ) -> dict[str, Any] | None:
+        """A finished prefill-side request's `kv_transfer_params`, if its cache was published in this step."""
+        if finish_reason is None:
+            return None
+        send = self._sends.pop(request_id, None)
+        return send.as_params() if send is not None and request_id in sent else None
 
     def _first_prompt_logprobs(self, request: Request, num_new: int) -> list[TokenLogprobs] | None:
         """The prompt logprobs for the output of a request's first tokens ([] for a one-token prompt, which has

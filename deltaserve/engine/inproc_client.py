@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deltaserve.engine.core_proc import MAX_FAILED_STEPS, engine_info
 from deltaserve.engine.messages import EngineCoreOutput
@@ -76,7 +76,8 @@ class InprocEngineClient:
     # -- requests ------------------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
+                       kv_transfer_params: dict[str, Any] | None = None
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Add a request to the core (when iteration starts: between two steps) and yield its outputs, as
         `EngineClient.generate` says (`session_id`, a routing hint, is ignored). A request the core refuses raises
@@ -88,7 +89,7 @@ class InprocEngineClient:
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:
             self.core.add_request(request_id, prompt_token_ids, params, eos_token_ids=eos_token_ids,
-                                  priority=priority)
+                                  priority=priority, kv_transfer_params=kv_transfer_params)
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from exc
         self._prompt_tokens += len(prompt_token_ids)

@@ -13,6 +13,7 @@ No torch here: the API process imports this module without the model stack.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -50,6 +51,9 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True, kw_only=True):
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation (vLLM's field): `{"do_remote_decode": true}` on a prefill instance, or the
+    object a prefill instance returned, on a decode instance."""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
@@ -95,6 +99,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=Tru
     to compile or rejected a token); None otherwise."""
     prompt_logprobs: list[TokenLogprobs] | None = None
     """On the first output of a request with params.prompt_logprobs: one per prompt token after the first."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """On the last output of a prefill instance's request (kv_transfer_params.do_remote_decode): where a decode
+    instance fetches its cache (`config.kv_transfer.RemotePrefill.as_params`)."""
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, kw_only=True):

@@ -16,7 +16,7 @@ import functools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -110,6 +110,9 @@ class SequenceUpdate(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: list[TokenLogprobs] | None = None
     """On a sequence's first update, with params.prompt_logprobs: a `TokenLogprobs` per prompt token after the
     first."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """On the last update of a prefill instance's sequence whose cache was published: what a decode instance needs
+    to fetch it."""
 
 
 class RequestMetrics(Protocol):
@@ -175,28 +178,32 @@ class OutputProcessor:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        make_processor: Callable[[SamplingParams], SequenceProcessor], *, priority: int = 0,
-                       session_id: str | None = None) -> AsyncGenerator[SequenceUpdate, None]:
+                       session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None
+                       ) -> AsyncGenerator[SequenceUpdate, None]:
         """Run the `params.n` sequences of a request; yield their updates as they come, each sequence's last one
         with a reason. The client's errors propagate (the first one ends every sequence); closing the iterator
         early aborts the sequences still running. `session_id`: the client's routing hint (protocol.py)."""
         seqs = self.sequences(request_id, prompt_ids, params, make_processor)
         if len(seqs) == 1:
-            async with contextlib.aclosing(self.stream(seqs[0], prompt_ids, priority=priority,
-                                                       session_id=session_id)) as updates:
+            async with contextlib.aclosing(self.stream(seqs[0], prompt_ids, priority=priority, session_id=session_id,
+                                                       kv_transfer_params=kv_transfer_params)) as updates:
                 async for update in updates:
                     yield update
             return
-        async with contextlib.aclosing(merge([self.stream(s, prompt_ids, priority=priority, session_id=session_id)
+        async with contextlib.aclosing(merge([self.stream(s, prompt_ids, priority=priority, session_id=session_id,
+                                                          kv_transfer_params=kv_transfer_params)
                                               for s in seqs])) as all_:
             async for _, update in all_:
                 yield update
 
     async def stream(self, seq: SequenceState, prompt_ids: list[int], *, priority: int = 0,
-                     session_id: str | None = None) -> AsyncGenerator[SequenceUpdate, None]:
+                     session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None
+                     ) -> AsyncGenerator[SequenceUpdate, None]:
         """Run one sequence: one update per engine output, until the one with a reason. A stop string aborts the
         engine request with FinishReason.STOP before the update that ends with it is yielded."""
         outputs = self.client.generate(seq.request_id, prompt_ids, seq.params, eos_token_ids=self.eos_token_ids,
-                                       priority=priority, session_id=session_id)
+                                       priority=priority, session_id=session_id,
+                                       kv_transfer_params=kv_transfer_params)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 update = self._update(seq, out)
@@ -225,7 +232,7 @@ class OutputProcessor:
             _observe(self.metrics, seq, seq.timing, bool(out.new_token_ids), reason)
         return SequenceUpdate(index=seq.index, delta=delta, token_ids=out.new_token_ids, logprobs=out.logprobs,
                               finish_reason=reason, stop_string=stop_string, num_cached_tokens=out.num_cached_tokens,
-                              prompt_logprobs=out.prompt_logprobs)
+                              prompt_logprobs=out.prompt_logprobs, kv_transfer_params=out.kv_transfer_params)
 
 
 async def merge(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:

@@ -9,7 +9,7 @@ records (`EngineCoreOutput`) and raise the errors defined here. No torch here.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import Protocol
+from typing import Any, Protocol
 
 from deltaserve.engine.messages import EngineCoreOutput, EngineInfo
 from deltaserve.engine.stats import EngineStats
@@ -49,10 +49,12 @@ class EngineClient(Protocol):
     """Facts about the loaded model and cache (limits, vocabulary, eos ids, pool sizes)."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
+                 eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
+                 kv_transfer_params: dict[str, Any] | None = None
                  ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Run one sequence; raises EngineRequestError (rejected or failed request), EngineDeadError (engine gone)
-        and ValueError (n != 1, or a request id still in use)."""
+        and ValueError (n != 1, or a request id still in use). `kv_transfer_params`: prefill/decode
+        disaggregation (`EngineCore.add_request`)."""
         ...
 
     async def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:

@@ -59,3 +59,20 @@ class EngineStats:
     """Entries (blocks, states) fetched from the shared store into the host tier (cumulative)."""
     shared_fetch_failures: int = 0
     """Fetches from the shared store that failed on some rank: a miss, corrupt, or the store down (cumulative)."""
+    kv_transfer_sent: int = 0
+    """Disaggregation, prefill side: request caches published for decode instances (cumulative)."""
+    kv_transfer_sent_kv_bytes: int = 0
+    """Bytes of KV blocks published, all ranks (cumulative)."""
+    kv_transfer_sent_state_bytes: int = 0
+    """Bytes of KDA state (recurrent state and conv window) published, all ranks (cumulative)."""
+    kv_transfer_received: int = 0
+    """Decode side: request caches fetched whole from prefill instances (cumulative)."""
+    kv_transfer_received_kv_bytes: int = 0
+    kv_transfer_received_state_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    """Time rank 0 spent packing and publishing, or fetching and checking, transfers (cumulative)."""
+    kv_transfer_failures: int = 0
+    """Fetches that failed (peer gone, timeout, a payload cut short or corrupt): recomputed locally (cumulative)."""
+    kv_transfer_fallbacks: int = 0
+    """Requests with kv_transfer_params computed locally without a fetch: the local cache held the prefix, the host
+    tier had no room, or the transfer was for another prompt (cumulative)."""

@@ -36,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     from deltaserve.config import (
         CacheConfig,
         EngineConfig,
+        KVTransferConfig,
         ParallelConfig,
         SchedulerConfig,
         ServerConfig,
@@ -47,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     server = dataclass_from_args(ServerConfig, args)
     spec = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config is not None else None
+    kv = KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config is not None else None
     model = args.model
     if model is None:  # the embedded default model
         import dataclasses
@@ -68,7 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
                           else default_num_threads(reserved=1),
                           cache=dataclass_from_args(CacheConfig, args),
                           scheduler=dataclass_from_args(SchedulerConfig, args),
-                          parallel=dataclass_from_args(ParallelConfig, args), speculative_config=spec)
+                          parallel=dataclass_from_args(ParallelConfig, args), speculative_config=spec,
+                          kv_transfer_config=kv)
     return run(engine, server, log_level=args.log_level)
 
 
@@ -135,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
     add_dataclass_args(engine, SchedulerConfig)
     add_dataclass_args(engine, ParallelConfig)
-    _add_speculative_arg(engine)
+    _add_speculative_arg(engine, kv_transfer=True)
     srv.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -181,12 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_speculative_arg(group: argparse._ArgumentGroup) -> None:
+def _add_kv_transfer_arg(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                       help='prefill/decode disaggregation, vLLM\'s JSON keys: kv_connector ("shm" (default: shared '
+                            'memory on one host, TCP between hosts), "tcp", "nixl", "mooncake"), kv_role '
+                            '("kv_producer", "kv_consumer", "kv_both"), kv_ip, kv_port, kv_buffer_size, '
+                            'transfer_timeout_s, transfer_ttl_s, e.g. \'{"kv_role": "kv_producer"}\' (default: none)')
+
+
+def _add_speculative_arg(group: argparse._ArgumentGroup, *, kv_transfer: bool = False) -> None:
+    """--speculative-config, and with `kv_transfer` --kv-transfer-config."""
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, vLLM\'s JSON keys: method ("ngram" or "draft_model"), '
                             "num_speculative_tokens (1..16), prompt_lookup_min / prompt_lookup_max (ngram; default "
                             "5), model and draft_sample_method (draft_model), e.g. "
                             '\'{"method": "ngram", "num_speculative_tokens": 3}\' (default: none)')
+    if kv_transfer:
+        _add_kv_transfer_arg(group)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from deltaserve.config import (
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -60,6 +61,8 @@ class LLM:
         structured_output_backend: "llguidance" (default) or "xgrammar", for `SamplingParams.structured`.
         speculative_config: speculative decoding, as a dict, its JSON text (vLLM's keys, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 3}``) or a `SpeculativeConfig`; none: plain decoding.
+        kv_transfer_config: prefill/decode disaggregation (vLLM's `--kv-transfer-config` keys), as a dict, its
+            JSON text or a `KVTransferConfig`.
         **engine_args: fields of `CacheConfig` (block_size, cache_memory, num_blocks, num_state_slots,
             host_cache_memory / kv_offloading_size for the host tier, shared_cache_url for the shared store),
             `SchedulerConfig` (max_num_batched_tokens, max_num_seqs, policy, watchdog_timeout_s) and
@@ -72,6 +75,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, structured_output_backend: str = "llguidance", device: str = "cpu",
                  speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
+                 kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
                  **engine_args: Any) -> None:
         if model is None:  # the embedded default model, shipped as package data
             model = str(default_model_dir())
@@ -89,6 +93,7 @@ class LLM:
             scheduler=SchedulerConfig(**{k: v for k, v in engine_args.items() if k in sched_fields}),
             parallel=ParallelConfig(**{k: v for k, v in engine_args.items() if k in parallel_fields}),
             speculative_config=None if speculative_config is None else SpeculativeConfig.from_json(speculative_config),
+            kv_transfer_config=None if kv_transfer_config is None else KVTransferConfig.from_json(kv_transfer_config),
         )
         ModelConfig.from_pretrained(model)  # fail on a bad checkpoint config before reading anything else
         self.tokenizer = Tokenizer.from_pretrained(model)

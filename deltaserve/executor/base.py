@@ -28,6 +28,8 @@ class WorkerInfo:
     """Where the model lives ('cpu', 'cuda:0')."""
     weight_bytes: int = 0
     """Bytes of this rank's parameters (its shard under tensor / expert parallelism), counted from the tensors."""
+    transfer_addresses: tuple[str, ...] = ()
+    """Disaggregation, prefill side: each rank's transfer server, in rank order (one per worker; merged)."""
 
 
 def merge_infos(infos: list[WorkerInfo]) -> WorkerInfo:
@@ -35,7 +37,8 @@ def merge_infos(infos: list[WorkerInfo]) -> WorkerInfo:
     first = infos[0]
     return WorkerInfo(cache_specs=first.cache_specs, device=first.device,
                       available_memory_bytes=min(i.available_memory_bytes for i in infos),
-                      weight_bytes=max(i.weight_bytes for i in infos))
+                      weight_bytes=max(i.weight_bytes for i in infos),
+                      transfer_addresses=tuple(a for i in infos for a in i.transfer_addresses))
 
 
 class Executor(Protocol):

@@ -163,6 +163,7 @@ def run_worker(config: EngineConfig, rank: int, conn: multiprocessing.connection
         except EOFError:  # the engine is gone
             return
         if method == "shutdown":
+            worker.close()
             return
         try:
             result = getattr(worker, method)(*args)

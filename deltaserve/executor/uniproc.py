@@ -25,4 +25,4 @@ class UniprocExecutor:
         return self.worker.execute_model(out)
 
     def shutdown(self) -> None:
-        pass
+        self.worker.close()

@@ -13,10 +13,12 @@ from deltaserve.config import EngineConfig
 from deltaserve.distributed import init_parallel_group
 from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.executor.base import WorkerInfo
-from deltaserve.executor.shared_store import open_shared_store
+from deltaserve.executor.shared_store import open_shared_store, shared_namespace
+from deltaserve.kvtransfer.transport import TransferServer
 from deltaserve.layers.linear import prepack_weights
 from deltaserve.models.loader import load_model
 from deltaserve.ops import dispatch
+from deltaserve.runner.kv_transfer_io import KVTransferIO
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.runner.shared_io import SharedStoreIO
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
@@ -76,12 +78,20 @@ class Worker:
         self.device = next(self.model.parameters()).device
         self.runner: ModelRunner | None = None
         torch.manual_seed(config.seed)  # the shared generator of unseeded sampling
+        kv = config.kv_transfer_config
+        self.transfer_server: TransferServer | None = None
+        if kv is not None and kv.is_producer:
+            from deltaserve.kvtransfer.factory import make_server
+
+            self.transfer_server = make_server(kv, rank)
+            logger.info("rank %d: kv transfer server at %s", rank, self.transfer_server.address)
 
     def describe(self) -> WorkerInfo:
         return WorkerInfo(cache_specs=tuple(self.model.cache_specs()),
                           available_memory_bytes=available_memory_bytes(self.device), device=str(self.device),
                           weight_bytes=sum(t.numel() * t.element_size()
-                                           for t in itertools.chain(self.model.parameters(), self.model.buffers())))
+                                           for t in itertools.chain(self.model.parameters(), self.model.buffers())),
+                          transfer_addresses=() if self.transfer_server is None else (self.transfer_server.address,))
 
     def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
         self.runner = ModelRunner(self.model, num_blocks=layout.num_blocks, block_size=layout.block_size,
@@ -91,16 +101,37 @@ class Worker:
         store = open_shared_store(self.config)
         if store is not None:
             self.runner.shared = SharedStoreIO(store, self.rank, self.config.parallel.world_size)
+        kv = self.config.kv_transfer_config
+        if kv is not None:
+            from deltaserve.kvtransfer.factory import make_client
+
+            self.runner.transfer = KVTransferIO(
+                namespace=shared_namespace(self.config), rank=self.rank, size=self.config.parallel.world_size,
+                block_size=layout.block_size, server=self.transfer_server,
+                client=make_client(kv) if kv.is_consumer else None, timeout_s=kv.transfer_timeout_s,
+                ttl_s=kv.transfer_ttl_s)
+
+    def _on_every_rank(self, flags: list[bool]) -> list[bool]:
+        """Per flag, whether it is set on every rank (an all-reduce of the ranks that miss it)."""
+        missing = torch.tensor([0 if ok else 1 for ok in flags], dtype=torch.int32)
+        if self.device.type == "cuda":
+            missing = missing.to(self.device)
+        self.group.all_reduce(missing)
+        return [m == 0 for m in missing.tolist()]
+
+    def close(self) -> None:
+        """Release what outlives a step: the transfer server's payloads (shared-memory segments included)."""
+        if self.transfer_server is not None:
+            self.transfer_server.close()
+            self.transfer_server = None
 
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
         if self.runner is None:
             raise RuntimeError("execute_model before initialize_cache")
         result = self.runner.execute(out)
-        if self.group.size > 1 and result.shared_fetched:
-            # A fetched entry is usable only if every rank got its part: count the ranks that did not.
-            missing = torch.tensor([0 if ok else 1 for ok in result.shared_fetched], dtype=torch.int32)
-            if self.device.type == "cuda":
-                missing = missing.to(self.device)
-            self.group.all_reduce(missing)
-            result = dataclasses.replace(result, shared_fetched=[m == 0 for m in missing.tolist()])
+        if self.group.size > 1 and result.shared_fetched:  # an entry is usable only if every rank got its part
+            result = dataclasses.replace(result, shared_fetched=self._on_every_rank(result.shared_fetched))
+        if self.group.size > 1 and result.transfer is not None and result.transfer.fetched:
+            result = dataclasses.replace(result, transfer=dataclasses.replace(
+                result.transfer, fetched=self._on_every_rank(result.transfer.fetched)))
         return result

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.cache.remote import TransferResult
 from deltaserve.layers.forward_batch import KDALayerCache
 from deltaserve.models.protocol import Model
 from deltaserve.ops import sampling as sampling_ops
@@ -16,6 +17,7 @@ from deltaserve.outputs import TokenLogprobs
 from deltaserve.runner.host_cache import HostCache
 from deltaserve.runner.input_batch import InputBatch
 from deltaserve.runner.kv_tensors import allocate_layer_caches
+from deltaserve.runner.kv_transfer_io import KVTransferIO
 from deltaserve.runner.sampler import DraftToken, SamplingRow, TokenBitmask, sample
 from deltaserve.runner.shared_io import SharedStoreIO
 from deltaserve.scheduler.output import NewRequestData, RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
@@ -48,6 +50,8 @@ class ModelRunner:
                               block_size=block_size, device=self.device) if num_host_blocks else None
         self.shared: SharedStoreIO | None = None
         """The shared store's reader and writer (set by the worker when a store is configured)."""
+        self.transfer: KVTransferIO | None = None
+        """Disaggregation: publishes prefill caches and fetches remote ones (set by the worker when configured)."""
         self.input_batch = InputBatch(block_size=block_size, device=self.device, max_num_tokens=max_num_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -75,6 +79,11 @@ class ModelRunner:
             else:
                 fetched = self.shared.run(out.shared_ops, self.caches,
                                           None if self.host is None else self.host.caches)
+        transfer = None
+        if out.remote_fetches:  # into host-tier entries the host copies below do not touch this step
+            transfer = TransferResult(fetched=[False] * len(out.remote_fetches)) if self.transfer is None else \
+                self.transfer.run(out.remote_fetches, (), self.caches, None if self.host is None else self.host.caches,
+                                  after_forward=False)
         host_seconds = 0.0
         if out.host_copies is not None:
             if self.host is None:
@@ -85,12 +94,20 @@ class ModelRunner:
         self.apply_copies(out.block_copies, out.state_copies)
         if out.chunks:
             logits = self.execute_model(out.chunks, only_sampled=True)
+            sends = [c for c in out.chunks if c.kv_send is not None]
+            if sends:
+                if self.transfer is None:
+                    raise RuntimeError("a prefill cache to publish, but this runner has no kv transfer configured")
+                sent = self.transfer.run((), sends, self.caches, None, after_forward=True)
+                transfer = sent if transfer is None else TransferResult(
+                    fetched=transfer.fetched, received=transfer.received, sent=sent.sent,
+                    seconds=transfer.seconds + sent.seconds)
             chunks = [c for c in out.chunks if c.sample]
             if chunks:
                 sampled = self._sample(logits, chunks, out)
         return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
                             forward_seconds=self.last_forward_seconds, host_copy_seconds=host_seconds,
-                            shared_fetched=fetched)
+                            shared_fetched=fetched, transfer=transfer)
 
     def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], out: SchedulerOutput
                 ) -> dict[str, list[SampledToken]]:

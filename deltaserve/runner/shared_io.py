@@ -40,13 +40,18 @@ def _parts(caches: Sequence[LayerCache], kind: str, index: int) -> list[torch.Te
     return out
 
 
+def entry_bytes(caches: Sequence[LayerCache], kind: str) -> int:
+    """Bytes of one entry of `kind` (this rank's part)."""
+    return sum(t.numel() * t.element_size() for t in _parts(caches, kind, 0))
+
+
 def pack(caches: Sequence[LayerCache], kind: str, index: int) -> bytes:
     """One entry's bytes (this rank's part)."""
     flat = [t.detach().contiguous().view(torch.uint8).reshape(-1).cpu() for t in _parts(caches, kind, index)]
     return torch.cat(flat).numpy().tobytes()
 
 
-def unpack(data: bytes, caches: Sequence[LayerCache], kind: str, index: int) -> bool:
+def unpack(data: bytes | memoryview, caches: Sequence[LayerCache], kind: str, index: int) -> bool:
     """Write an entry's bytes into `caches`; False (nothing trusted) when the length does not match exactly."""
     targets = _parts(caches, kind, index)
     if len(data) != sum(t.numel() * t.element_size() for t in targets):

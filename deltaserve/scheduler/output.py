@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from deltaserve.cache.host_tier import HostCopies
 from deltaserve.cache.manager import SharedStoreOps
+from deltaserve.cache.remote import RemoteFetch, TransferResult
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
 
@@ -45,6 +46,9 @@ class ScheduledChunk:
     num_proposed: int = 0
     """The chunk's last `num_proposed` tokens are proposed, not yet sampled (speculative decoding): the runner returns
     logits for the chunk's last 1 + num_proposed positions and verifies them; `sample` is set."""
+    kv_send: str | None = None
+    """Disaggregation, prefill side: the chunk ends the request's prompt; after the forward, publish the cache of
+    its blocks and state slot (all `num_computed_tokens + len(new_token_ids)` tokens) under this transfer id."""
 
     @property
     def is_decode(self) -> bool:
@@ -68,6 +72,9 @@ class SchedulerOutput:
     """Copies to and from the host tier, before `block_copies` and `state_copies`; None when there are none."""
     shared_ops: SharedStoreOps | None = None
     """Puts to and fetches from the shared store, before everything else; None when there are none."""
+    remote_fetches: list[RemoteFetch] = field(default_factory=list)
+    """Disaggregation, decode side: caches to fetch from prefill instances into the host tier, before the host
+    copies."""
     structured_request_ids: list[str] = field(default_factory=list)
     """Sampling requests constrained by a grammar this step, in the row order of `grammar_bitmask`. Filled by the
     engine (its StructuredOutputManager) after `schedule()`; empty when no sampled row is constrained."""
@@ -109,3 +116,5 @@ class RunnerOutput:
     """Time spent copying to and from the host tier before the forward."""
     shared_fetched: list[bool] = field(default_factory=list)
     """Per fetch of `SchedulerOutput.shared_ops`, in order: whether every rank got its part (checked entries)."""
+    transfer: TransferResult | None = None
+    """The step's disaggregation transfers (None when it had none)."""

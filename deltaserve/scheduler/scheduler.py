@@ -138,7 +138,8 @@ class Scheduler:
         block_copies, state_copies = self.cache.take_copies()
         return SchedulerOutput(chunks=chunks, new_requests=new, finished_request_ids=finished,
                                block_copies=block_copies, state_copies=state_copies,
-                               host_copies=self.cache.take_host_copies(), shared_ops=self.cache.take_shared_ops())
+                               host_copies=self.cache.take_host_copies(), shared_ops=self.cache.take_shared_ops(),
+                               remote_fetches=self.cache.take_remote_fetches())
 
     def update_from_output(self, out: SchedulerOutput, result: RunnerOutput) -> list[StepEvent]:
         """Advance the computed counters, append sampled tokens, finish requests that hit a stop condition."""
@@ -146,6 +147,8 @@ class Scheduler:
         self.cache.end_step()
         if out.shared_ops is not None and out.shared_ops.fetches:
             self.cache.finish_fetches(result.shared_fetched)
+        if out.remote_fetches:
+            self.cache.finish_remote(result.transfer.fetched if result.transfer is not None else [])
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -193,8 +196,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk], scheduled: set[str]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting.peek()
-            if self.cache.prefetch(request):
-                break  # its prefix is being fetched from the shared store this step: admitted after it
+            if self.cache.prefetch(request) or self.cache.prefetch_remote(request):
+                break  # its prefix is being fetched (shared store, prefill instance) this step: admitted after it
             hit = self.cache.match(request)
             if self._inflight_prefix(request, hit.length):
                 break  # a running prefill is about to checkpoint more of this prompt: wait for it
@@ -234,6 +237,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        sample = start + n == request.num_tokens
         return ScheduledChunk(
             request_id=request.request_id,
             new_token_ids=request.token_slice(start, start + n),
@@ -241,8 +245,9 @@ class Scheduler:
             state_slot=self.cache.slot(request.request_id),
             block_ids=self.cache.block_ids(request.request_id).snapshot(),
             reset_state=start == 0,
-            sample=start + n == request.num_tokens,
+            sample=sample,
             checkpoints=tuple(self.cache.plan_checkpoints(request, start, start + n)),
+            kv_send=request.kv_send if sample else None,
         )
 
     def _proposed_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:

@@ -202,7 +202,7 @@ async def create_message(frontend: Frontend, body: MessagesRequest) -> dict[str,
     message_id = f"msg_{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(1)
     async for update in frontend.generate(message_id, plan.prompt_ids, plan.params, plan.processors(frontend),
-                                          session_id=body.session_id()):
+                                          session_id=body.session_id(), kv_transfer_params=body.kv_transfer_params):
         acc.add(update)
     c = acc.choices[0]
     content: list[dict[str, Any]] = []
@@ -219,11 +219,14 @@ async def create_message(frontend: Frontend, body: MessagesRequest) -> dict[str,
     if text:
         content.append({"type": "text", "text": text})
     content += calls
-    return {"id": message_id, "type": "message", "role": "assistant", "model": frontend.model_name,
-            "content": content, "stop_reason": _stop_reason(c.finish_reason, c.stop_string, bool(calls)),
-            "stop_sequence": c.stop_string,
-            "usage": {"input_tokens": len(plan.prompt_ids), "output_tokens": len(c.token_ids),
-                      "cache_read_input_tokens": acc.num_cached_tokens}}
+    response = {"id": message_id, "type": "message", "role": "assistant", "model": frontend.model_name,
+                "content": content, "stop_reason": _stop_reason(c.finish_reason, c.stop_string, bool(calls)),
+                "stop_sequence": c.stop_string,
+                "usage": {"input_tokens": len(plan.prompt_ids), "output_tokens": len(c.token_ids),
+                          "cache_read_input_tokens": acc.num_cached_tokens}}
+    if acc.kv_transfer_params is not None:
+        response["kv_transfer_params"] = acc.kv_transfer_params
+    return response
 
 
 async def create_message_stream(frontend: Frontend, body: MessagesRequest) -> AsyncIterator[str]:
@@ -231,7 +234,8 @@ async def create_message_stream(frontend: Frontend, body: MessagesRequest) -> As
     frontend.check_capacity(1)
     message_id = f"msg_{uuid.uuid4().hex}"
     stream = frontend.stream(message_id, frontend.generate(message_id, plan.prompt_ids, plan.params,
-                                                           plan.processors(frontend), session_id=body.session_id()))
+                                                           plan.processors(frontend), session_id=body.session_id(),
+                                                           kv_transfer_params=body.kv_transfer_params))
     return _events(frontend, plan, message_id, stream)
 
 

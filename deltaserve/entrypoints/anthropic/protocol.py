@@ -91,6 +91,8 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation, as on the OpenAI routes (vLLM's field)."""
 
     def session_id(self) -> str | None:
         """`metadata.user_id` when it is a string: the session the data-parallel router keeps on one replica."""

@@ -204,7 +204,8 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(plan.params.n, hide_reasoning=plan.thinking and not plan.show_reasoning)
     stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend),
-                               priority=plan.priority, session_id=body.user)
+                               priority=plan.priority, session_id=body.user,
+                               kv_transfer_params=body.kv_transfer_params)
     async for update in stream:
         acc.add(update)
     choices = []
@@ -228,6 +229,8 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
                 "model": frontend.model_name, "choices": choices, "usage": acc.usage(len(plan.prompt_ids))}
     if body.prompt_logprobs is not None:  # vLLM puts the prompt's logprobs beside the choices (one prompt)
         response["prompt_logprobs"] = vllm_prompt_logprobs(frontend.tokenizer, acc.choices[0].prompt_logprobs or [])
+    if acc.kv_transfer_params is not None:
+        response["kv_transfer_params"] = acc.kv_transfer_params
     return response
 
 

@@ -96,12 +96,14 @@ async def _merge(streams: list[AsyncGenerator[SequenceUpdate, None]], n: int
             yield msgspec.structs.replace(u, index=p * n + u.index)
 
 
-def _start(frontend: Frontend, plan: CompletionPlan, request_id: str, session_id: str | None
+def _start(frontend: Frontend, plan: CompletionPlan, request_id: str, body: CompletionRequest
            ) -> AsyncGenerator[SequenceUpdate, None]:
     frontend.check_capacity(plan.n * len(plan.prompts))
+    if body.kv_transfer_params is not None and len(plan.prompts) != 1:
+        raise bad_request("kv_transfer_params applies to a single prompt", param="kv_transfer_params")
     streams = [frontend.generate(f"{request_id}-p{p}", ids, params,
                                  lambda sp: TextProcessor(frontend.tokenizer, sp), priority=plan.priority,
-                                 session_id=session_id)
+                                 session_id=body.user, kv_transfer_params=body.kv_transfer_params)
                for p, (ids, params) in enumerate(zip(plan.prompts, plan.params, strict=True))]
     return _merge(streams, plan.n)
 
@@ -117,7 +119,7 @@ async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, A
     plan = await CompletionPlan.make(frontend, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(plan.n * len(plan.prompts))
-    async for update in _start(frontend, plan, request_id, body.user):
+    async for update in _start(frontend, plan, request_id, body):
         acc.add(update)
     choices = []
     for i, c in enumerate(acc.choices):
@@ -134,14 +136,17 @@ async def completion(frontend: Frontend, body: CompletionRequest) -> dict[str, A
             choice["prompt_logprobs"] = vllm_prompt_logprobs(frontend.tokenizer, c.prompt_logprobs or [])
         choices.append(choice)
     prompt_tokens = sum(len(p) for p in plan.prompts)
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": frontend.model_name, "choices": choices, "usage": acc.usage(prompt_tokens)}
+    response = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": frontend.model_name, "choices": choices, "usage": acc.usage(prompt_tokens)}
+    if acc.kv_transfer_params is not None:
+        response["kv_transfer_params"] = acc.kv_transfer_params
+    return response
 
 
 async def completion_stream(frontend: Frontend, body: CompletionRequest) -> AsyncIterator[str]:
     plan = await CompletionPlan.make(frontend, body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    stream = frontend.stream(request_id, _start(frontend, plan, request_id, body.user))
+    stream = frontend.stream(request_id, _start(frontend, plan, request_id, body))
     usage_mode = body.stream_options.usage_mode() if body.stream_options else None
     return _events(frontend, plan, body, request_id, stream, usage_mode)
 

@@ -58,6 +58,9 @@ class SamplingFields(_Request):
     model: str | None = None
     n: int = 1
     seed: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation (vLLM's field): `{"do_remote_decode": true}` to a prefill instance, or the
+    object a prefill instance returned, to a decode instance."""
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

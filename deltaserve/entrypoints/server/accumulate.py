@@ -35,6 +35,8 @@ class ChoiceAccumulator:
     def __init__(self, n: int, hide_reasoning: bool = False) -> None:
         self.choices = [Choice() for _ in range(n)]
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
+        """A prefill instance's answer: where a decode instance fetches the cache."""
         self.hide_reasoning = hide_reasoning
         """include_reasoning false: the logprobs of reasoning tokens are left out with the reasoning itself."""
 
@@ -59,6 +61,8 @@ class ChoiceAccumulator:
             c.prompt_logprobs = update.prompt_logprobs
         if update.index == 0 and update.num_cached_tokens:
             self.num_cached_tokens = update.num_cached_tokens
+        if update.kv_transfer_params is not None:
+            self.kv_transfer_params = update.kv_transfer_params
 
     def usage(self, prompt_tokens: int, index: int | None = None) -> dict[str, Any]:
         """OpenAI usage: completion tokens summed over the choices (or of choice `index` alone, as vLLM's

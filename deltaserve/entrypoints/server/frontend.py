@@ -21,7 +21,7 @@ import functools
 import json
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from deltaserve.chat.format import ChatFormat
 from deltaserve.chat.messages import ToolSpec
@@ -244,16 +244,18 @@ class Frontend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        make_processor: Callable[[SamplingParams], SequenceProcessor], priority: int = 0,
-                       session_id: str | None = None) -> AsyncGenerator[SequenceUpdate, None]:
+                       session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None
+                       ) -> AsyncGenerator[SequenceUpdate, None]:
         """Run `params.n` sequences through the output processor; yield their updates as they come, each
         sequence's last one with a reason. `session_id` (the `X-Session-ID` header, OpenAI's `user`, Anthropic's
-        `metadata.user_id`) keeps a conversation on one data-parallel replica.
+        `metadata.user_id`) keeps a conversation on one data-parallel replica. `kv_transfer_params`: prefill/decode
+        disaggregation (`EngineCore.add_request`).
 
         Raises ApiError (400 for a request the engine rejects or fails, 503 when the engine died). Closing the
         iterator early aborts the sequences still running.
         """
         updates = self.output.generate(request_id, prompt_ids, params, make_processor, priority=priority,
-                                       session_id=session_id)
+                                       session_id=session_id, kv_transfer_params=kv_transfer_params)
         async with contextlib.aclosing(updates):
             try:
                 async for update in updates:

@@ -1,0 +1,92 @@
+"""A worker rank's side of prefill/decode disaggregation: publish a request's cache (its KV blocks and the KDA
+state and conv window after its prompt, this rank's part) on the rank's transfer server, and fetch another
+instance's into the host tier.
+
+Each payload is framed as a `kvstore.entry` (the cache layout's namespace, the transfer id and rank, the length and
+a CRC-32), so a payload cut short, altered, or from an instance with another model, dtype, block size or
+tensor-parallel split is refused on arrival, whatever the transport; the request is then recomputed."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+from deltaserve.cache.remote import RemoteFetch, TransferResult
+from deltaserve.kvstore.entry import decode_entry, encode
+from deltaserve.kvtransfer.transport import TransferClient, TransferServer
+from deltaserve.layers.forward_batch import LayerCache
+from deltaserve.runner.shared_io import entry_bytes, pack, rank_suffix, unpack
+from deltaserve.scheduler.output import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+
+class KVTransferIO:
+    """Rank `rank` of `size`: the producer's `server` (None on a decode-only instance) and the consumer's `client`
+    (None on a prefill-only instance)."""
+
+    def __init__(self, *, namespace: str, rank: int, size: int, block_size: int, server: TransferServer | None,
+                 client: TransferClient | None, timeout_s: float, ttl_s: float) -> None:
+        self.namespace, self.rank, self.suffix = namespace, rank, rank_suffix(rank, size)
+        self.block_size, self.server, self.client = block_size, server, client
+        self.timeout_s, self.ttl_s = timeout_s, ttl_s
+
+    def run(self, fetches: Sequence[RemoteFetch], sends: Sequence[ScheduledChunk], caches: Sequence[LayerCache],
+            host_caches: Sequence[LayerCache] | None, *, after_forward: bool) -> TransferResult:
+        """Before the forward (`after_forward` False): the fetches, into `host_caches`. After it: publish the caches
+        of `sends` (chunks that ended a prefill request's prompt) from the device `caches`."""
+        start = time.perf_counter()
+        if not after_forward:
+            kv = state = 0
+            fetched = []
+            for f in fetches:
+                got = self._fetch(f, caches, host_caches)
+                fetched.append(got is not None)
+                if got is not None:
+                    kv, state = kv + got[0], state + got[1]
+            return TransferResult(fetched=fetched, received=(kv, state), seconds=time.perf_counter() - start)
+        sent = {c.request_id: self._send(c, caches) for c in sends if c.kv_send is not None}
+        return TransferResult(sent=sent, seconds=time.perf_counter() - start)
+
+    def _send(self, chunk: ScheduledChunk, caches: Sequence[LayerCache]) -> tuple[int, int]:
+        if self.server is None:
+            raise RuntimeError("a cache to publish, but this instance is not a kv_producer")
+        assert chunk.kv_send is not None
+        num_tokens = chunk.num_computed_tokens + len(chunk.new_token_ids)
+        blocks = [pack(caches, "kv", b) for b in chunk.block_ids[:math.ceil(num_tokens / self.block_size)]]
+        state = pack(caches, "state", chunk.state_slot)
+        key = chunk.kv_send + self.suffix
+        self.server.publish(key, encode(self.namespace, key, b"".join(blocks) + state, ttl_s=self.ttl_s))
+        return sum(map(len, blocks)), len(state)
+
+    def _fetch(self, f: RemoteFetch, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
+               ) -> tuple[int, int] | None:
+        """(KV bytes, state bytes) written, or None when the payload did not arrive whole and checked."""
+        if self.client is None or host_caches is None or self.rank >= len(f.addresses):
+            return None
+        key = f.transfer_id + self.suffix
+        raw = self.client.fetch(f.addresses[self.rank], key, self.timeout_s)
+        if raw is None:
+            logger.warning("transfer %s: nothing fetched from %s (recomputing)", key, f.addresses[self.rank])
+            return None
+        payload, refusal = decode_entry(raw, self.namespace, key)
+        block_bytes, state_bytes = entry_bytes(caches, "kv"), entry_bytes(caches, "state")
+        if payload is None or len(payload) != f.num_blocks * block_bytes + state_bytes:
+            why = refusal.value if refusal is not None else f"{len(payload or b'')} bytes, expected " \
+                f"{f.num_blocks} blocks of {block_bytes} + a state of {state_bytes}"
+            logger.warning("transfer %s refused (%s): recomputing", key, why)
+            return None
+        kv = state = 0
+        view = memoryview(payload)
+        for kind, index, host_id in f.parts:
+            offset = index * block_bytes if kind == "kv" else f.num_blocks * block_bytes
+            size = block_bytes if kind == "kv" else state_bytes
+            if not unpack(view[offset:offset + size], host_caches, kind, host_id):
+                return None
+            if kind == "kv":
+                kv += size
+            else:
+                state += size
+        return kv, state
