@@ -3,16 +3,28 @@
 `TransferClient.fetch` returns `bytes`, which Python cannot write into; reading into a bytearray and converting
 costs one more pass over the payload, which on these machines halves a fetch's throughput (fresh pages are faulted
 in twice: measured 0.55 GB/s against 1.3 GB/s for a 256 MiB TCP read). So the client allocates a fresh `bytes`
-object (calloc'd: its pages are mapped lazily) and lets the socket, NIXL or Mooncake write into its storage before
-anyone else sees it. This is sound for an object nobody else references: it is new (sizes of 2 bytes and more are
-never shared singletons), its hash is not computed until someone asks, and it is handed out only once written.
+object (calloc'd: its pages are mapped lazily) and lets the socket, the shared-memory read, NIXL or Mooncake write
+into its storage before anyone else sees it. This is sound for an object nobody else references: it is new (sizes
+of 2 bytes and more are never shared singletons), its hash is not computed until someone asks, and it is handed out
+only once written.
+
+Large buffers are also advised into transparent huge pages before their first touch: faulting fresh 4 KiB pages in
+is what bounds a receive here (64 MiB: 1.2 GB/s with 4 KiB pages, 2.6 GB/s with 2 MiB pages).
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import functools
+import sys
 
 import numpy as np
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+_ADVISE_FROM = 4 << 20
+"""Smaller buffers are not worth a system call."""
 
 
 class ReceiveBuffer:
@@ -26,9 +38,34 @@ class ReceiveBuffer:
         if isinstance(self._storage, bytearray):
             self.view = memoryview(self._storage)
         else:
+            if nbytes >= _ADVISE_FROM:
+                _advise_huge_pages(self.address, nbytes)
             self.view = memoryview((ctypes.c_char * nbytes).from_address(self.address)).cast("B")
 
     def take(self) -> bytes:
         """The payload (call once, after the last write; drop the view and address then)."""
         self.view.release()
         return bytes(self._storage) if isinstance(self._storage, bytearray) else self._storage
+
+
+def _advise_huge_pages(address: int, nbytes: int) -> None:
+    """MADV_HUGEPAGE over the whole 2 MiB pages inside [address, address + nbytes); a no-op where unsupported."""
+    madvise = _madvise()
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if madvise is not None and end > start:
+        madvise(start, end - start, _MADV_HUGEPAGE)  # an error (no THP) leaves ordinary pages: nothing to handle
+
+
+@functools.cache
+def _madvise() -> ctypes._NamedFuncPointer | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise

@@ -38,7 +38,7 @@ def counted_fetch(counters: Counters, what: str, fetch: Callable[[], bytes | Non
     start = time.monotonic()
     try:
         payload = fetch()
-    except Exception as exc:  # noqa: BLE001: the protocol's rule: failures are None, whatever the cause
+    except Exception as exc:  # noqa: BLE001 (the protocol's rule: failures are None, whatever the cause)
         logger.warning("kv transfer fetch %s failed: %s: %s", what, type(exc).__name__, exc)
         payload = None
     seconds = time.monotonic() - start

@@ -20,8 +20,19 @@ from deltaserve.kvtransfer.buffers import ReceiveBuffer
 from deltaserve.kvtransfer.counters import Counters, counted_fetch
 from deltaserve.kvtransfer.held import Held, HeldPayloads
 from deltaserve.kvtransfer.transport import TransportStats
-from deltaserve.kvtransfer.wire import (Deadline, Op, ProtocolError, Request, Status, encode_request, read_reply_header,
-                                        read_request, recv_into_exact, recv_small, send_reply)
+from deltaserve.kvtransfer.wire import (
+    Deadline,
+    Op,
+    ProtocolError,
+    Request,
+    Status,
+    encode_request,
+    read_reply_header,
+    read_request,
+    recv_into_exact,
+    recv_small,
+    send_reply,
+)
 
 logger = logging.getLogger(__name__)
 

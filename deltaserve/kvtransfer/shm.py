@@ -1,0 +1,127 @@
+"""Same-host transfer through POSIX shared memory. Address `shm+tcp://host:port`.
+
+The producer writes each published payload once into its own segment (`/dev/shm/dskvt-...`, space reserved up
+front so a full /dev/shm is a fallback to TCP, not a SIGBUS); a consumer on the same host LENDs it over the TCP
+control server (tcp.py), maps the segment read-only, copies it out and RELEASEs it, and the producer unlinks it. The
+producer unlinks a segment whatever happens: on RELEASE, when the borrowing connection closes (a consumer that died
+mid-read), when it is idle past the ttl (a stalled consumer), on expiry, and on close; if the producer itself is
+killed, multiprocessing's resource tracker unlinks its segments. A consumer on another host, or one that cannot
+open the segment (another /dev/shm namespace), gets the bytes over the same connection instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import uuid
+from multiprocessing import shared_memory
+from typing import cast
+
+from deltaserve.kvtransfer.address import is_local_host, parse_address
+from deltaserve.kvtransfer.buffers import ReceiveBuffer
+from deltaserve.kvtransfer.counters import Counters, counted_fetch
+from deltaserve.kvtransfer.held import Held
+from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_lent
+from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
+from deltaserve.kvtransfer.transport import TransportStats
+from deltaserve.kvtransfer.wire import Deadline, Op
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "dskvt-"
+_DESCRIPTOR = struct.Struct("<Q")  # payload length, then the segment name
+
+
+class ShmTransferServer(TcpTransferServer):
+    """A producer rank's server that holds payloads in shared-memory segments (TCP for remote consumers)."""
+
+    SCHEME = "shm+tcp"
+
+    def _hold(self, payload: bytes) -> Held:
+        if not payload or not os.path.isdir(SHM_DIR):
+            return Held(payload)
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        segment = shared_memory.SharedMemory(name=name, create=True, size=len(payload))
+        try:
+            _reserve(name, len(payload))
+        except OSError as exc:
+            segment.close()
+            segment.unlink()
+            logger.warning("kv transfer: no room for %d bytes in %s (%s): held in process memory, sent over TCP",
+                           len(payload), SHM_DIR, exc)
+            return Held(payload)
+        view = cast(memoryview, segment.buf)[:len(payload)]  # None only after close
+        view[:] = payload
+
+        def release() -> None:
+            view.release()  # SharedMemory.close refuses while views of its buffer are alive
+            segment.close()
+            segment.unlink()
+
+        return Held(view, _DESCRIPTOR.pack(len(payload)) + name.encode(), release)
+
+
+class ShmTransferClient:
+    """Fetches through shared memory from a `shm+tcp` producer on this host, over TCP from any other producer."""
+
+    def __init__(self) -> None:
+        self._counters = Counters()
+
+    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> bytes | None:
+        def fetch() -> bytes | None:
+            target = parse_address(address)
+            with Channel(target, Deadline(timeout_s)) as channel:
+                if target.scheme != ShmTransferServer.SCHEME or not is_local_host(target.host):
+                    return channel.fetch_plain(Op.FETCH, transfer_id)
+                return fetch_lent(channel, transfer_id, _read_descriptor)
+
+        return counted_fetch(self._counters, f"{transfer_id} from {address}", fetch)
+
+    def stats(self) -> TransportStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        """Nothing to free: segments belong to the producer."""
+
+
+def _read_descriptor(descriptor: bytes) -> bytes:
+    (nbytes,) = _DESCRIPTOR.unpack_from(descriptor)
+    try:
+        return read_segment(descriptor[_DESCRIPTOR.size:].decode(), nbytes)
+    except OSError as exc:  # not our /dev/shm after all (another host or namespace): the bytes come over TCP
+        raise ReadFailed(str(exc)) from exc
+
+
+def read_segment(name: str, nbytes: int) -> bytes:
+    """A copy of the first `nbytes` of segment `name` (read through its file, never registered with this process's
+    resource tracker, which would unlink the producer's segment when this process exits)."""
+    if not name.startswith(SEGMENT_PREFIX) or "/" in name or name in (".", ".."):
+        raise OSError(f"not a transfer segment: {name!r:.80}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size < nbytes:  # mapping past the end would SIGBUS on the copy
+            raise OSError(f"segment {name} is shorter than {nbytes} bytes")
+        # pread straight into the returned bytes: one copy, and no page faults on a mapping of the segment
+        buffer, got = ReceiveBuffer(nbytes), 0
+        while got < nbytes:
+            n = os.preadv(fd, [buffer.view[got:]], got)
+            if n == 0:
+                raise OSError(f"segment {name} ended after {got} of {nbytes} bytes")
+            got += n
+        return buffer.take()
+    finally:
+        os.close(fd)
+
+
+def _reserve(name: str, nbytes: int) -> None:
+    """Allocates the segment's pages now: writing into an unbacked tmpfs page when /dev/shm is full is a SIGBUS."""
+    path = os.path.join(SHM_DIR, name)
+    if hasattr(os, "posix_fallocate") and os.path.exists(path):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+
