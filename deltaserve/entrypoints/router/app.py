@@ -106,6 +106,7 @@ async def _until_disconnect(request: Request) -> None:
 
 def run_router(config: RouterConfig, log_level: str = "info") -> int:
     """Serve the router on config.host:config.port until SIGINT or SIGTERM."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request and per health check
     server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
                                            log_level=log_level.lower(), access_log=False))
     server.run()

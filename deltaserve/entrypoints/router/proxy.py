@@ -52,6 +52,7 @@ class Proxy:
         self.client = client
         self._prefill_timeout = httpx.Timeout(config.prefill_timeout_s, connect=config.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
+        self._logged: set[tuple[str, str]] = set()
 
     async def handle(self, route: Route, raw: bytes, headers: Mapping[str, str]) -> Response:
         """A POST on `route`: prefill (when the route and body allow), then decode, relayed to the client."""
@@ -84,7 +85,7 @@ class Proxy:
                 return outcome
             if outcome is not None:  # the instance answered, without a transfer: no other would do better
                 self.metrics.fallbacks.labels(outcome).inc()
-                logger.info("prefill on %s: %s; the decode instance prefills locally", instance.url, outcome)
+                self._log_once(instance, outcome)
                 return None
         reason = "prefill_failed" if tried else "no_healthy_prefill_instance"
         self.metrics.fallbacks.labels(reason).inc()
@@ -119,6 +120,13 @@ class Proxy:
             self._prefill_failed(pool, instance, "bad_answer", mark_down=False)
             return None
         return params if isinstance(params, dict) else "no_kv_transfer_params"
+
+    def _log_once(self, instance: Instance, outcome: str) -> None:
+        # Once per instance and kind: a prefill instance without a KV connector answers every request so.
+        if (instance.url, outcome) not in self._logged:
+            self._logged.add((instance.url, outcome))
+            logger.warning("prefill on %s: %s; the decode instance prefills locally (logged once; counted in "
+                           "deltaserve:router_local_prefill_fallbacks)", instance.url, outcome)
 
     def _prefill_failed(self, pool: InstancePool, instance: Instance, reason: str, *, mark_down: bool) -> None:
         self.metrics.prefill_failures.labels(instance.url, reason).inc()

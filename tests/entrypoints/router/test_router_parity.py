@@ -1,0 +1,128 @@
+"""Greedy outputs through the router (1 prefill + 1 decode instance) equal a unified instance's, streamed and not,
+on the OpenAI chat and completions routes and Anthropic messages; the routes a decode instance answers alone."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.router.helpers import API_KEY, start_instance, start_router, stop_router
+from tests.entrypoints.server_fixture import stop_server
+
+PROMPTS = ["Tell me about the sea.", "A" * 40 + " and then some more words to pass a block boundary maybe"]
+MAX_TOKENS = 8
+GREEDY = {"temperature": 0}  # this SDK version takes no temperature argument
+
+
+@pytest.fixture(scope="module")
+def cell(tiny_dir, tmp_path_factory):
+    """(unified instance, router over one prefill and one decode instance)."""
+    logs = tmp_path_factory.mktemp("router-parity")
+    servers = []
+    try:
+        for role in (None, "prefill", "decode"):
+            servers.append(start_instance(tiny_dir("base"), logs, role))
+        unified, prefill, decode = servers
+        router = start_router(logs, [prefill.url], [decode.url])
+        yield unified, router
+        stop_router(router)
+    finally:
+        for server in servers:
+            stop_server(server)
+
+
+def _openai(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _anthropic(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def chat_text(url: str, prompt: str, stream: bool) -> str:
+    client = _openai(url)
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        return out.choices[0].message.content or ""
+    chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def completion_text(url: str, prompt: str, stream: bool) -> str:
+    client = _openai(url)
+    if not stream:
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+                                         ).choices[0].text
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def message_text(url: str, prompt: str, stream: bool) -> str:
+    client = _anthropic(url)
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        out = client.messages.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, extra_body=GREEDY)
+        return "".join(block.text for block in out.content if block.type == "text")
+    with client.messages.stream(model="tiny", messages=messages, max_tokens=MAX_TOKENS, extra_body=GREEDY) as events:
+        return "".join(events.text_stream)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("call", [chat_text, completion_text, message_text], ids=["chat", "completions", "messages"])
+def test_router_output_equals_unified(cell, call, stream):
+    """Greedy text through prefill + decode is the unified instance's text, streamed or not."""
+    unified, router = cell
+    for prompt in PROMPTS:
+        expected = call(unified.url, prompt, stream)
+        assert expected
+        assert call(router.url, prompt, stream) == expected
+
+
+def test_router_counts_requests(cell):
+    """Each request is counted on its route; a decode request holds no lease once answered."""
+    _, router = cell
+    before = router.metric("requests_total", route="/v1/chat/completions")
+    chat_text(router.url, PROMPTS[0], stream=False)
+    assert router.metric("requests_total", route="/v1/chat/completions") == before + 1
+    assert router.metric("in_flight") == 0
+    assert router.metric("prefill_failures_total") == 0
+
+
+def test_decode_only_routes_relay_the_instance(cell):
+    """/v1/models, /tokenize, /detokenize and count_tokens answer as the instance does (same bodies)."""
+    unified, router = cell
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for method, path, body in [("GET", "/v1/models", None),
+                               ("POST", "/tokenize", {"model": "tiny", "prompt": "hello there"}),
+                               ("POST", "/detokenize", {"model": "tiny", "tokens": [5, 6, 7]}),
+                               ("POST", "/v1/messages/count_tokens",
+                                {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})]:
+        direct = httpx.request(method, f"{unified.url}{path}", json=body, headers=headers, timeout=30)
+        routed = httpx.request(method, f"{router.url}{path}", json=body, headers=headers, timeout=30)
+        assert routed.status_code == direct.status_code == 200, routed.text
+        got, want = routed.json(), direct.json()
+        if path == "/v1/models":  # the checkpoint path and creation time are the instance's own
+            got, want = [m["id"] for m in got["data"]], [m["id"] for m in want["data"]]
+        assert got == want
+
+
+def test_client_errors_are_relayed(cell):
+    """A bad request is the decode instance's 4xx, body and all; a wrong API key its 401."""
+    unified, router = cell
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    direct = httpx.post(f"{unified.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    routed = httpx.post(f"{router.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert direct.status_code == routed.status_code == 400
+    assert routed.json() == direct.json()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{router.url}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=router.url, api_key="wrong", max_retries=0).messages.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    not_json = httpx.post(f"{router.url}/v1/completions", content=b"{nope", headers=headers, timeout=30)
+    assert not_json.status_code == 400 and "error" in not_json.json()
