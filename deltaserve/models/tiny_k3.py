@@ -1,6 +1,6 @@
 """Tiny random Kimi K3 checkpoints (`deltaserve make-tiny --arch kimi_k3`): nested config, `language_model.`
-tensor names, MXFP4 routed experts, K3's XTML special tokens. Weights are drawn as for Kimi Linear
-(`tiny_checkpoint.py`)."""
+tensor names, MXFP4 routed experts, K3's XTML special tokens, and optionally a vision tower (`tiny_vision.py`).
+Weights are drawn as for Kimi Linear (`tiny_checkpoint.py`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,14 @@ from deltaserve.models.quantize import (
 )
 from deltaserve.models.tiny_checkpoint import random_weights, save_weights, tiny_config_dict, write_metadata
 from deltaserve.models.tiny_spec import TinySpec
+from deltaserve.models.tiny_vision import (
+    TinyVisionSpec,
+    random_vision_weights,
+    tiny_vision_config,
+    tiny_vision_config_dict,
+)
 from deltaserve.text.tiny_tokenizer import write_tiny_tokenizer
+from deltaserve.text.tokenizer import Tokenizer
 
 EXPERT_FORMATS = ("compressed-tensors", "gpt-oss", "dense")
 
@@ -54,9 +61,13 @@ def tiny_k3_config_dict(spec: TinySpec, special_ids: dict[str, int]) -> dict[str
     }
 
 
-def write_tiny_k3_checkpoint(out_dir: str | Path, spec: TinySpec) -> Path:
+def write_tiny_k3_checkpoint(out_dir: str | Path, spec: TinySpec, *, vision: bool = False,
+                             vision_spec: TinyVisionSpec | None = None) -> Path:
     """Write a random K3 checkpoint. Experts are drawn dense, then quantised to MXFP4 unless `expert_format` is
-    "dense"; the same seed gives the same (dequantised) weights in every format."""
+    "dense"; the same seed gives the same (dequantised) weights in every format. `vision`: add a tiny vision tower
+    and projector (`vision_spec`, default `TinyVisionSpec()`): its `vision_config`, `media_placeholder_token_id` =
+    the tokenizer's `<|media_pad|>`, and `vision_tower.*` / `mm_projector.*` tensors; without it the files are as
+    before."""
     if spec.expert_format not in EXPERT_FORMATS:
         raise ValueError(f"expert_format={spec.expert_format!r} must be one of {EXPERT_FORMATS}")
     if spec.dense_name != "mlp":
@@ -77,6 +88,11 @@ def write_tiny_k3_checkpoint(out_dir: str | Path, spec: TinySpec) -> Path:
         weights, _ = quantize_expert_tensors(weights)
     if spec.expert_format == "gpt-oss":
         weights = to_gpt_oss_layout(weights)
+    if vision:
+        vision_spec = vision_spec or TinyVisionSpec()
+        raw["vision_config"] = tiny_vision_config_dict(vision_spec, spec.hidden)
+        raw["media_placeholder_token_id"] = Tokenizer.from_pretrained(out).special_tokens["<|media_pad|>"]
+        weights.update(random_vision_weights(tiny_vision_config(vision_spec, spec.hidden), vision_spec.seed))
     save_weights(weights, out, spec.shard_bytes)
     write_metadata(out, raw, special_ids, spec)  # stops on <|end_of_msg|> (the config eos) and [EOS]
     return out
