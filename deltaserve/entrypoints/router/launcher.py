@@ -132,8 +132,8 @@ def start_instance(plan: DisaggPlan, role: str, index: int) -> Child:
     port = _free_port()
     cmd = instance_command(plan, role, port)
     name = f"{role}-{index}"
-    logger.info("serve-disagg: starting %s on port %d: %s", name, port, " ".join(cmd))
     process = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    logger.info("serve-disagg: started %s (pid %d) on port %d: %s", name, process.pid, port, " ".join(cmd))
     return Child(name=name, url=f"http://127.0.0.1:{port}", process=process)
 
 

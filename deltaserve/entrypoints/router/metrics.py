@@ -36,6 +36,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("deltaserve:router_requests", "Requests received, by route", ["route"],
                                 registry=self.registry)
+        self.instance_requests = Counter("deltaserve:router_instance_requests",
+                                         "Requests sent to each instance (retries on another instance included)",
+                                         ["role", "instance"], registry=self.registry)
         self.prefill_failures = Counter(
             "deltaserve:router_prefill_failures",
             "Prefill attempts that failed on an instance (connect, timeout, 5xx, bad answer), by instance and reason",

@@ -53,10 +53,14 @@ class Proxy:
         self._prefill_timeout = httpx.Timeout(config.prefill_timeout_s, connect=config.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
         self._logged: set[tuple[str, str]] = set()
+        self._prefill_outage = False
+        """True from a request that found no healthy prefill instance until a prefill succeeds (logged once)."""
 
     async def handle(self, route: Route, raw: bytes, headers: Mapping[str, str]) -> Response:
         """A POST on `route`: prefill (when the route and body allow), then decode, relayed to the client."""
         self.metrics.requests.labels(route.path).inc()
+        if not self.pools.decode.num_healthy:  # no prefill either: nobody could use it
+            return no_decode_instance(route, "no decode instance is healthy")
         forwarded = forwarded_headers(headers)
         try:
             body = json.loads(raw)
@@ -82,6 +86,7 @@ class Proxy:
             tried.add(instance.url)
             outcome = await self._prefill_on(pool, instance, route.path, content, headers)
             if isinstance(outcome, dict):
+                self._prefill_outage = False
                 return outcome
             if outcome is not None:  # the instance answered, without a transfer: no other would do better
                 self.metrics.fallbacks.labels(outcome).inc()
@@ -89,15 +94,17 @@ class Proxy:
                 return None
         reason = "prefill_failed" if tried else "no_healthy_prefill_instance"
         self.metrics.fallbacks.labels(reason).inc()
-        logger.warning("%s (tried %d instances): the decode instance prefills locally", reason.replace("_", " "),
-                       len(tried))
+        if tried or not self._prefill_outage:  # each failure, but an outage of the whole pool once
+            logger.warning("%s (%d tried): the decode instance prefills locally", reason.replace("_", " "),
+                           len(tried))
+        self._prefill_outage = not tried
         return None
 
     async def _prefill_on(self, pool: InstancePool, instance: Instance, path: str, content: bytes,
                           headers: dict[str, str]) -> dict[str, Any] | str | None:
         """One prefill attempt: the transfer params; a fallback reason (the instance answered without them: a
         4xx for the client's body, or no transfer); None when the instance failed (counted; try another)."""
-        lease = pool.acquire(instance)
+        lease = self._acquire(pool, instance)
         try:
             response = await unless_down(
                 self.client.post(f"{instance.url}{path}", content=content, headers=headers,
@@ -143,7 +150,7 @@ class Proxy:
         last = "no decode instance is healthy"
         while (instance := pool.pick(tried)) is not None:
             tried.add(instance.url)
-            lease = pool.acquire(instance)
+            lease = self._acquire(pool, instance)
             try:
                 response = await unless_down(self._send(instance, upstream), lease.down)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached the instance
@@ -160,8 +167,11 @@ class Proxy:
                 last = self._decode_failed(instance, "status_503")
                 continue
             return await self._relay(route, instance, lease, response, stream)
-        return error_response(route.api, 503, f"no decode instance can take the request ({last})",
-                              code="no_decode_instance")
+        return no_decode_instance(route, last)
+
+    def _acquire(self, pool: InstancePool, instance: Instance) -> Lease:
+        self.metrics.instance_requests.labels(pool.role, instance.url).inc()
+        return pool.acquire(instance)
 
     async def _send(self, instance: Instance, upstream: Upstream) -> httpx.Response:
         request = self.client.build_request(upstream.method, f"{instance.url}{upstream.path}",
@@ -189,6 +199,12 @@ class Proxy:
         if reason != "timeout":  # a slow instance is not a dead one; its health checks decide
             self.pools.decode.mark_down(instance, reason)
         return f"{instance.url}: {reason}"
+
+
+def no_decode_instance(route: Route, why: str) -> Response:
+    """The 503 of a request no decode instance can take."""
+    return error_response(route.api, 503, f"no decode instance can take the request ({why}); retry later",
+                          code="no_decode_instance")
 
 
 def _instance_failed(route: Route) -> Response:

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.server_fixture import API_KEY, LiveServer, free_port, start_server
 
-SERVE_ARGS = ("--num-threads", "1", "--max-model-len", "512")
+SERVE_ARGS = ("--num-threads", "1")
 
 
 @functools.cache
@@ -28,10 +28,10 @@ def serve_has_kv_transfer_config() -> bool:
     return "--kv-transfer-config" in out.stdout
 
 
-def start_instance(model_dir: Path, log_dir: Path, role: str | None) -> LiveServer:
+def start_instance(model_dir: Path, log_dir: Path, role: str | None, max_model_len: int = 512) -> LiveServer:
     """A `deltaserve serve` instance: role 'prefill' / 'decode' gets its kv_role when the engine has the option
     (then transfers really happen; before, every request is prefilled on its decode instance), None is unified."""
-    extra: list[str] = list(SERVE_ARGS)
+    extra: list[str] = [*SERVE_ARGS, "--max-model-len", str(max_model_len)]
     if role is not None and serve_has_kv_transfer_config():
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         extra += ["--kv-transfer-config", json.dumps({"kv_role": kv_role})]
