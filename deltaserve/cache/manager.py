@@ -158,6 +158,7 @@ class CacheManager:
         self._step_fetches: list[tuple[str, BlockKey | CheckpointKey]] = []
         """This step's fetches, in the order of `SharedStoreOps.fetches`."""
         self._probed: set[str] = set()
+        self._probed_remote: set[str] = set()
         self._put_keys: OrderedDict[str, None] = OrderedDict()
         self.shared_fetched = self.shared_fetch_failures = 0
         """Entries fetched from the shared store and published, and fetches that failed (on some rank)."""
@@ -354,9 +355,9 @@ class CacheManager:
         rid, remote = request.request_id, request.remote_prefill
         if rid in self._fetching:
             return True
-        if remote is None or rid in self._probed or not self.host.enabled or request.skip_prefix_cache:
+        if remote is None or rid in self._probed_remote or not self.host.enabled or request.skip_prefix_cache:
             return False
-        self._probed.add(rid)
+        self._probed_remote.add(rid)
         bs, length = self.block_size, remote.num_tokens
         if length > request.num_tokens - 1 or self.match(request).length >= length:
             self.remote_skipped += 1
@@ -619,6 +620,7 @@ class CacheManager:
         `num_computed_tokens` (and cache its last partial block), so a continuation or a resumption hits."""
         held = self._held.pop(request.request_id, None)
         self._probed.discard(request.request_id)
+        self._probed_remote.discard(request.request_id)
         self._fetching.pop(request.request_id, None)  # its fetches are published (or dropped) after their step
         if held is None:
             self._hashes.pop(request.request_id, None)

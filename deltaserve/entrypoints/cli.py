@@ -96,6 +96,7 @@ def _quantize(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from deltaserve.bench import (
         cpu,
+        disagg,
         executor_overhead,
         followup,
         http_overhead,
@@ -170,17 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    offline.add_parser(bench_sub)
-    trace_replay.add_parser(bench_sub)
-    followup.add_parser(bench_sub)
-    http_overhead.add_parser(bench_sub)
-    executor_overhead.add_parser(bench_sub)
-    parallel.add_parser(bench_sub)
-    memory_plan.add_parser(bench_sub)
-    serve.add_parser(bench_sub)
-    sweep.add_parser(bench_sub)
-    spec.add_parser(bench_sub)
-    cpu.add_parser(bench_sub)
+    for module in (offline, trace_replay, followup, http_overhead, executor_overhead, parallel, memory_plan, serve,
+                   sweep, spec, cpu, disagg):
+        module.add_parser(bench_sub)
     return parser
 
 

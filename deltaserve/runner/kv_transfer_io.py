@@ -17,7 +17,7 @@ from deltaserve.cache.remote import RemoteFetch, TransferResult
 from deltaserve.kvstore.entry import decode_entry, encode
 from deltaserve.kvtransfer.transport import TransferClient, TransferServer
 from deltaserve.layers.forward_batch import LayerCache
-from deltaserve.runner.shared_io import entry_bytes, pack, rank_suffix, unpack
+from deltaserve.runner.shared_io import entry_bytes, pack, pack_many, rank_suffix, unpack, unpack_many
 from deltaserve.scheduler.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -55,11 +55,11 @@ class KVTransferIO:
             raise RuntimeError("a cache to publish, but this instance is not a kv_producer")
         assert chunk.kv_send is not None
         num_tokens = chunk.num_computed_tokens + len(chunk.new_token_ids)
-        blocks = [pack(caches, "kv", b) for b in chunk.block_ids[:math.ceil(num_tokens / self.block_size)]]
+        blocks = pack_many(caches, "kv", chunk.block_ids[:math.ceil(num_tokens / self.block_size)])
         state = pack(caches, "state", chunk.state_slot)
         key = chunk.kv_send + self.suffix
-        self.server.publish(key, encode(self.namespace, key, b"".join(blocks) + state, ttl_s=self.ttl_s))
-        return sum(map(len, blocks)), len(state)
+        self.server.publish(key, encode(self.namespace, key, blocks + state, ttl_s=self.ttl_s))
+        return len(blocks), len(state)
 
     def _fetch(self, f: RemoteFetch, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
                ) -> tuple[int, int] | None:
@@ -78,15 +78,18 @@ class KVTransferIO:
                 f"{f.num_blocks} blocks of {block_bytes} + a state of {state_bytes}"
             logger.warning("transfer %s refused (%s): recomputing", key, why)
             return None
-        kv = state = 0
         view = memoryview(payload)
-        for kind, index, host_id in f.parts:
-            offset = index * block_bytes if kind == "kv" else f.num_blocks * block_bytes
-            size = block_bytes if kind == "kv" else state_bytes
-            if not unpack(view[offset:offset + size], host_caches, kind, host_id):
+        blocks = [(index, host_id) for kind, index, host_id in f.parts if kind == "kv"]
+        # The wanted blocks are usually a run (the tail the decode side lacks): one gather-free slice then.
+        indices = [i for i, _ in blocks]
+        if indices and indices == list(range(indices[0], indices[0] + len(indices))):
+            data: bytes | memoryview = view[indices[0] * block_bytes:(indices[-1] + 1) * block_bytes]
+        else:
+            data = b"".join(view[i * block_bytes:(i + 1) * block_bytes] for i in indices)
+        if not unpack_many(data, host_caches, "kv", [h for _, h in blocks]):
+            return None
+        states = [host_id for kind, _, host_id in f.parts if kind == "state"]
+        for host_id in states:
+            if not unpack(view[f.num_blocks * block_bytes:], host_caches, "state", host_id):
                 return None
-            if kind == "kv":
-                kv += size
-            else:
-                state += size
-        return kv, state
+        return len(blocks) * block_bytes, len(states) * state_bytes

@@ -45,6 +45,43 @@ def entry_bytes(caches: Sequence[LayerCache], kind: str) -> int:
     return sum(t.numel() * t.element_size() for t in _parts(caches, kind, 0))
 
 
+def _stacks(caches: Sequence[LayerCache], kind: str) -> list[torch.Tensor]:
+    """The pool tensors `_parts` indexes, in the same order."""
+    if kind == "kv":
+        return [c.kv for c in caches if isinstance(c, MLALayerCache)]
+    return [t for c in caches if isinstance(c, KDALayerCache) for t in (c.state, c.conv)]
+
+
+def pack_many(caches: Sequence[LayerCache], kind: str, indices: Sequence[int]) -> bytes:
+    """The entries at `indices`, one after the other, each laid out as `pack` lays it out: one gather per layer
+    instead of one small copy per entry and layer (a 32K-token prompt has 2,048 blocks)."""
+    if not indices:
+        return b""
+    index = torch.tensor(list(indices), dtype=torch.long)
+    rows = [t.index_select(0, index.to(t.device)).view(torch.uint8).reshape(len(indices), -1).cpu()
+            for t in _stacks(caches, kind)]
+    return torch.cat(rows, dim=1).numpy().tobytes()
+
+
+def unpack_many(data: bytes | memoryview, caches: Sequence[LayerCache], kind: str, indices: Sequence[int]) -> bool:
+    """Write `len(indices)` consecutive entries of `data` (as `pack_many` made them) into `caches` at `indices`;
+    False (nothing written) when the length does not match exactly."""
+    stacks = _stacks(caches, kind)
+    widths = [t[0].numel() * t.element_size() for t in stacks]
+    if len(data) != len(indices) * sum(widths):
+        return False
+    if not indices:
+        return True
+    rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(len(indices), -1)
+    index = torch.tensor(list(indices), dtype=torch.long)
+    offset = 0
+    for t, width in zip(stacks, widths, strict=True):
+        part = rows[:, offset:offset + width].contiguous().view(t.dtype).reshape(len(indices), *t.shape[1:])
+        t.index_copy_(0, index.to(t.device), part.to(t.device))
+        offset += width
+    return True
+
+
 def pack(caches: Sequence[LayerCache], kind: str, index: int) -> bytes:
     """One entry's bytes (this rank's part)."""
     flat = [t.detach().contiguous().view(torch.uint8).reshape(-1).cpu() for t in _parts(caches, kind, index)]

@@ -237,3 +237,23 @@ def test_k3_disaggregated_equals_unified(tiny_dir):
     finally:
         for core in cores:
             core.shutdown()
+
+
+def test_tensor_parallel_disaggregated_equals_unified(tiny_dir):
+    """TP=2 on both sides (worker processes): each rank publishes and fetches its own heads' state and its part of
+    the blocks, and the decode side uses a transfer only when both ranks got theirs."""
+    from deltaserve.config import ParallelConfig
+
+    path = str(tiny_dir("base"))
+    tp2 = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp")
+    cores = engine(path, "kv_producer", parallel=tp2), engine(path, "kv_consumer", parallel=tp2), engine(path, None)
+    try:
+        prompt = prompt_ids(600, 45, seed=99)
+        _, params, _ = run(cores[0], "tp", prompt, kv_transfer_params={"do_remote_decode": True})
+        assert params is not None and len(params["remote_addresses"]) == 2
+        got, _, cached = run(cores[1], "td", prompt, kv_transfer_params=params)
+        assert got == run(cores[2], "tu", prompt)[0] and cached == len(prompt) - 1
+        assert cores[1].get_stats().kv_transfer_received == 1
+    finally:
+        for core in cores:
+            core.shutdown()

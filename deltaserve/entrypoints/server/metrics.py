@@ -128,6 +128,7 @@ class _EngineStatsCollector:
         yield gauge("engine_stats_age_seconds", "Age of the engine stats snapshot these engine metrics come from.",
                     self.snapshot.age_s or 0.0)
         yield from _spec_decode_counters(s, labels)
+        yield from _kv_transfer_counters(s, labels)
 
 
 class ReplicaCollector:
@@ -170,6 +171,36 @@ def _spec_decode_counters(s: Any, labels: list[str]):  # noqa: ANN202 - yields m
     for position, value in enumerate(s.spec_accepted_per_pos):
         per_pos.add_metric([*labels, str(position)], value)
     yield per_pos
+
+
+def _kv_transfer_counters(s: Any, labels: list[str]):  # noqa: ANN202 - yields metric families
+    """Prefill/decode disaggregation: requests and bytes moved (KV blocks and KDA state apart, all ranks), the time
+    spent, failed fetches and requests computed locally despite kv_transfer_params."""
+    requests = CounterMetricFamily("deltaserve:kv_transfer_requests", "Request caches published (sent) or fetched "
+                                   "whole (received).", labels=["model_name", "direction"])
+    requests.add_metric([*labels, "sent"], s.kv_transfer_sent)
+    requests.add_metric([*labels, "received"], s.kv_transfer_received)
+    yield requests
+    moved = CounterMetricFamily("deltaserve:kv_transfer_bytes", "Bytes of request caches moved, by direction and "
+                                "kind (kv: MLA KV blocks; state: KDA recurrent state and conv window).",
+                                labels=["model_name", "direction", "kind"])
+    for direction, kind, value in (("sent", "kv", s.kv_transfer_sent_kv_bytes),
+                                   ("sent", "state", s.kv_transfer_sent_state_bytes),
+                                   ("received", "kv", s.kv_transfer_received_kv_bytes),
+                                   ("received", "state", s.kv_transfer_received_state_bytes)):
+        moved.add_metric([*labels, direction, kind], value)
+    yield moved
+    for name, doc, value in (
+        ("kv_transfer_seconds", "Time spent packing and publishing, or fetching and checking, request caches.",
+         s.kv_transfer_seconds),
+        ("kv_transfer_failures", "Fetches that failed (peer gone, timeout, payload cut short or corrupt): "
+         "recomputed locally.", s.kv_transfer_failures),
+        ("kv_transfer_fallbacks", "Requests with kv_transfer_params computed locally without a fetch (local cache "
+         "hit, no host-tier room, or a transfer for another prompt or layout).", s.kv_transfer_fallbacks),
+    ):
+        c = CounterMetricFamily(f"deltaserve:{name}", doc, labels=["model_name"])
+        c.add_metric(labels, value)
+        yield c
 
 
 class ServerMetrics:
