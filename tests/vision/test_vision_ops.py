@@ -10,7 +10,7 @@ from transformers.models.kimi_k25 import modeling_kimi_k25 as hf
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25VisionConfig
 from transformers.vision_utils import get_vision_position_ids
 
-from deltaserve.ops.vision import ref
+from deltaserve.ops.vision import ref, sdpa
 
 GRIDS = {
     "one": [(1, 4, 6)],
@@ -89,3 +89,16 @@ def test_varlen_attention_stays_within_each_image():
         alone = torch.nn.functional.scaled_dot_product_attention(
             *(t[start:end].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
         assert _rel(out[start:end], alone) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_attention_sdpa(dtype):
+    """The SDPA backend equals the reference (fp32: 1e-6; bf16: to bf16 rounding)."""
+    grids = [(1, 3, 5), (1, 16, 10), (1, 1, 1)]
+    bounds = ref.cu_seqlens_of(grids)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(bounds[-1], 3, 16, generator=gen).to(dtype) for _ in range(3))
+    out = sdpa.varlen_attention_sdpa(q, k, v, bounds, 0.25)
+    want = ref.varlen_attention(q, k, v, bounds, 0.25)
+    assert out.dtype == dtype
+    assert _rel(out.float(), want.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
