@@ -85,6 +85,7 @@ class _Interrupted(Exception):
 def serve_disagg(plan: DisaggPlan, log_level: str = "info") -> int:
     """Start the instances, wait for their /health, serve the router until SIGINT / SIGTERM, then stop them all.
     Returns 0 on a signal; raises ChildExited or TimeoutError (after stopping the others) when start-up fails."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per /health poll otherwise
     children: list[Child] = []
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

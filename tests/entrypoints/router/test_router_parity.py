@@ -8,7 +8,13 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.router.helpers import API_KEY, start_instance, start_router, stop_router
+from tests.entrypoints.router.helpers import (
+    API_KEY,
+    serve_has_kv_transfer_config,
+    start_instance,
+    start_router,
+    stop_router,
+)
 from tests.entrypoints.server_fixture import stop_server
 
 PROMPTS = ["Tell me about the sea.", "A" * 40 + " and then some more words to pass a block boundary maybe"]
@@ -76,20 +82,30 @@ def message_text(url: str, prompt: str, stream: bool) -> str:
 def test_router_output_equals_unified(cell, call, stream):
     """Greedy text through prefill + decode is the unified instance's text, streamed or not."""
     unified, router = cell
+    fallbacks = router.metric("local_prefill_fallbacks_total")
     for prompt in PROMPTS:
         expected = call(unified.url, prompt, stream)
         assert expected
         assert call(router.url, prompt, stream) == expected
+    if serve_has_kv_transfer_config():  # decoded from the prefill instance's cache, not a local prefill
+        assert router.metric("local_prefill_fallbacks_total") == fallbacks
 
 
 def test_router_counts_requests(cell):
-    """Each request is counted on its route; a decode request holds no lease once answered."""
+    """Each request is counted on its route, no lease outlives its request, and with instances that have a KV
+    connector every request is decoded from a transfer (no fallback to a local prefill)."""
     _, router = cell
     before = router.metric("requests_total", route="/v1/chat/completions")
-    chat_text(router.url, PROMPTS[0], stream=False)
-    assert router.metric("requests_total", route="/v1/chat/completions") == before + 1
+    fallbacks = router.metric("local_prefill_fallbacks_total")
+    for stream in (False, True):
+        chat_text(router.url, PROMPTS[0], stream=stream)
+    assert router.metric("requests_total", route="/v1/chat/completions") == before + 2
     assert router.metric("in_flight") == 0
     assert router.metric("prefill_failures_total") == 0
+    if serve_has_kv_transfer_config():
+        assert router.metric("local_prefill_fallbacks_total") == fallbacks
+    else:  # today's instances answer without kv_transfer_params
+        assert router.metric("local_prefill_fallbacks_total", reason="no_kv_transfer_params") == fallbacks + 2
 
 
 def test_decode_only_routes_relay_the_instance(cell):
