@@ -94,3 +94,25 @@ def test_resize_bicubic_uint8_matches_torch(shape):
     tensor = torch.from_numpy(image).permute(2, 0, 1)[None].contiguous()
     want = F.interpolate(tensor, size=(nh, nw), mode="bicubic", antialias=True, align_corners=False)
     np.testing.assert_array_equal(resize_bicubic_uint8(image, nh, nw), want[0].permute(1, 2, 0).numpy())
+
+
+def test_config_for_vision():
+    """The processor takes the tower's patch size and merge kernel; limits can be lowered."""
+    from dataclasses import replace
+
+    from deltaserve.models.tiny_vision import TinyVisionSpec, tiny_vision_config
+
+    vision = tiny_vision_config(TinyVisionSpec(), text_hidden=32)
+    config = ImageProcessingConfig.for_vision(vision, max_patches=100)
+    assert (config.patch_size, config.merge_size, config.max_patches, config.max_patches_per_side) == (14, 2, 100, 512)
+    with pytest.raises(ValueError, match="not square"):
+        ImageProcessingConfig.for_vision(replace(vision, merge_kernel_size=(2, 1)))
+
+
+def test_multimodal_imports_without_torch():
+    """The API process preprocesses images without torch (numpy and Pillow only)."""
+    import subprocess
+    import sys
+
+    code = "import sys, deltaserve.multimodal; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
