@@ -1,6 +1,6 @@
 """1 prefill + 2 decode instances behind the router: outputs equal a direct request; a killed prefill instance
-means local prefills (counted); a decode instance killed under a stream ends it with an error event while the
-other decode instance goes on serving; with none left, a 503 in the route's error shape.
+means local prefills (counted); a decode instance frozen or killed under a stream ends it with an error event
+while the other decode instance goes on serving; with none left, a 503 in the route's error shape.
 
 The tests run in file order on one set of instances, each killing what the next no longer needs.
 """
@@ -82,41 +82,57 @@ def test_prefill_instance_killed_falls_back_to_local_prefill(cell):
     assert fallbacks() == before + 2
 
 
-def _stream_then_kill(router, decodes, make_stream, consume) -> object:
-    """Start a long stream through the router, kill the decode instance serving it after its first event, and
-    return that instance; `consume` must raise when the stream ends in an error."""
-    stream = make_stream()
-    first = next(iter(stream))
-    assert first is not None
+def _busy_after_first_event(router, decodes, stream):
+    """The decode instance serving `stream`, once its first event arrived."""
+    assert next(iter(stream)) is not None
     busy = [d for d in decodes if router.metric("in_flight", role="decode", instance=d.url) == 1]
     assert len(busy) == 1
-    _kill(busy[0])
-    consume(stream)
     return busy[0]
+
+
+def _openai_long_stream(router):
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=LONG, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+
+
+def _assert_openai_stream_fails(stream) -> None:
+    with pytest.raises(openai.APIError) as info:
+        for _ in stream:
+            pass
+    assert "decode instance failed" in str(info.value)
+
+
+def test_frozen_decode_instance_ends_its_stream_and_comes_back(cell):
+    """A decode instance that stops answering (SIGSTOP) fails its health checks: the stream it serves ends with
+    an error event and requests go to the other instance; once it answers again, it is back in the pool."""
+    _, decodes, router = cell
+    stream = _openai_long_stream(router)
+    frozen = _busy_after_first_event(router, decodes, stream)
+    other = next(d for d in decodes if d is not frozen)
+    frozen.process.send_signal(signal.SIGSTOP)
+    try:
+        _assert_openai_stream_fails(stream)
+        assert router.metric("decode_failures_total", instance=frozen.url, reason="unhealthy") == 1
+        assert chat(router.url) == chat(other.url)
+    finally:
+        frozen.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: router.metric("instance_healthy", role="decode") == 2, "the thawed instance back in the pool")
+    assert router.metric("in_flight") == 0
 
 
 def test_decode_instance_killed_mid_stream(cell):
     """The client of a stream whose decode instance dies gets an error event; the next request is served by the
     other decode instance."""
     _, decodes, router = cell
-    live = [d for d in decodes if d.process.poll() is None]
-    assert len(live) == 2
-    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-    def make_stream():
-        return client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=LONG, temperature=0,
-            stream=True, extra_body={"ignore_eos": True})
-
-    def consume(stream) -> None:
-        with pytest.raises(openai.APIError) as info:
-            for _ in stream:
-                pass
-        assert "decode instance failed" in str(info.value)
-
-    killed = _stream_then_kill(router, live, make_stream, consume)
+    assert all(d.process.poll() is None for d in decodes)
+    stream = _openai_long_stream(router)
+    killed = _busy_after_first_event(router, decodes, stream)
+    _kill(killed)
+    _assert_openai_stream_fails(stream)
     assert router.metric("decode_failures_total", instance=killed.url) >= 1
-    survivor = next(d for d in live if d is not killed)
+    survivor = next(d for d in decodes if d is not killed)
     assert chat(router.url) == chat(survivor.url)
     assert router.metric("in_flight") == 0
 
@@ -128,18 +144,13 @@ def test_last_decode_instance_killed_mid_anthropic_stream(cell):
     live = [d for d in decodes if d.process.poll() is None]
     assert len(live) == 1
     client = anthropic.Anthropic(base_url=router.url, api_key=API_KEY, max_retries=0, timeout=60)
-
-    def make_stream():
-        return client.messages.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
-                                      max_tokens=LONG, stream=True, extra_body={"temperature": 0, "ignore_eos": True})
-
-    def consume(stream) -> None:
-        with pytest.raises(anthropic.APIError) as info:
-            for _ in stream:
-                pass
-        assert "decode instance failed" in str(info.value)
-
-    _stream_then_kill(router, live, make_stream, consume)
+    stream = client.messages.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=LONG,
+                                    stream=True, extra_body={"temperature": 0, "ignore_eos": True})
+    _kill(_busy_after_first_event(router, live, stream))
+    with pytest.raises(anthropic.APIError) as info:
+        for _ in stream:
+            pass
+    assert "decode instance failed" in str(info.value)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     chat_reply = httpx.post(f"{router.url}/v1/chat/completions", headers=headers, timeout=30,
                             json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})

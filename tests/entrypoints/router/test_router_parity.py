@@ -3,10 +3,17 @@ on the OpenAI chat and completions routes and Anthropic messages; the routes a d
 
 from __future__ import annotations
 
+import threading
+
 import anthropic
 import httpx
 import openai
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from tests.entrypoints.router.helpers import (
     API_KEY,
@@ -14,8 +21,9 @@ from tests.entrypoints.router.helpers import (
     start_instance,
     start_router,
     stop_router,
+    wait_until,
 )
-from tests.entrypoints.server_fixture import stop_server
+from tests.entrypoints.server_fixture import free_port, stop_server
 
 PROMPTS = ["Tell me about the sea.", "A" * 40 + " and then some more words to pass a block boundary maybe"]
 MAX_TOKENS = 8
@@ -24,7 +32,7 @@ GREEDY = {"temperature": 0}  # this SDK version takes no temperature argument
 
 @pytest.fixture(scope="module")
 def cell(tiny_dir, tmp_path_factory):
-    """(unified instance, router over one prefill and one decode instance)."""
+    """(unified instance, router over one prefill and one decode instance, the prefill and decode instances)."""
     logs = tmp_path_factory.mktemp("router-parity")
     servers = []
     try:
@@ -32,7 +40,7 @@ def cell(tiny_dir, tmp_path_factory):
             servers.append(start_instance(tiny_dir("base"), logs, role))
         unified, prefill, decode = servers
         router = start_router(logs, [prefill.url], [decode.url])
-        yield unified, router
+        yield unified, router, prefill, decode
         stop_router(router)
     finally:
         for server in servers:
@@ -81,7 +89,7 @@ def message_text(url: str, prompt: str, stream: bool) -> str:
 @pytest.mark.parametrize("call", [chat_text, completion_text, message_text], ids=["chat", "completions", "messages"])
 def test_router_output_equals_unified(cell, call, stream):
     """Greedy text through prefill + decode is the unified instance's text, streamed or not."""
-    unified, router = cell
+    unified, router, *_ = cell
     fallbacks = router.metric("local_prefill_fallbacks_total")
     for prompt in PROMPTS:
         expected = call(unified.url, prompt, stream)
@@ -94,7 +102,7 @@ def test_router_output_equals_unified(cell, call, stream):
 def test_router_counts_requests(cell):
     """Each request is counted on its route, no lease outlives its request, and with instances that have a KV
     connector every request is decoded from a transfer (no fallback to a local prefill)."""
-    _, router = cell
+    _, router, *_ = cell
     before = router.metric("requests_total", route="/v1/chat/completions")
     fallbacks = router.metric("local_prefill_fallbacks_total")
     for stream in (False, True):
@@ -110,7 +118,7 @@ def test_router_counts_requests(cell):
 
 def test_decode_only_routes_relay_the_instance(cell):
     """/v1/models, /tokenize, /detokenize and count_tokens answer as the instance does (same bodies)."""
-    unified, router = cell
+    unified, router, *_ = cell
     headers = {"Authorization": f"Bearer {API_KEY}"}
     for method, path, body in [("GET", "/v1/models", None),
                                ("POST", "/tokenize", {"model": "tiny", "prompt": "hello there"}),
@@ -128,7 +136,7 @@ def test_decode_only_routes_relay_the_instance(cell):
 
 def test_client_errors_are_relayed(cell):
     """A bad request is the decode instance's 4xx, body and all; a wrong API key its 401."""
-    unified, router = cell
+    unified, router, *_ = cell
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     direct = httpx.post(f"{unified.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
@@ -142,3 +150,39 @@ def test_client_errors_are_relayed(cell):
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     not_json = httpx.post(f"{router.url}/v1/completions", content=b"{nope", headers=headers, timeout=30)
     assert not_json.status_code == 400 and "error" in not_json.json()
+
+
+@pytest.fixture(scope="module")
+def failing_prefill():
+    """An instance whose /health answers 200 and whose generation routes answer 500."""
+
+    async def ok(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def broken(request: Request) -> Response:
+        return JSONResponse({"error": {"message": "broken on purpose", "type": "internal_server_error"}}, 500)
+
+    app = Starlette(routes=[Route("/health", ok), Route("/v1/chat/completions", broken, methods=["POST"])])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, "the failing instance")
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join()
+
+
+def test_failing_prefill_instance_is_skipped_for_another(cell, failing_prefill, tmp_path):
+    """A prefill instance that answers 500 is counted as failed and the next prefill instance takes the request:
+    the same text, and no local prefill."""
+    unified, _, prefill, decode = cell
+    router = start_router(tmp_path, [failing_prefill, prefill.url], [decode.url])
+    try:
+        for prompt in PROMPTS:  # idle instances are taken in turn: the failing one comes first at least once
+            assert chat_text(router.url, prompt, stream=False) == chat_text(unified.url, prompt, stream=False)
+        assert router.metric("prefill_failures_total", instance=failing_prefill, reason="status_500") >= 1
+        assert router.metric("local_prefill_fallbacks_total", reason="prefill_failed") == 0
+        assert router.metric("instance_healthy", role="prefill") == 2  # a 500 is the request's failure, not down
+    finally:
+        stop_router(router)
