@@ -62,10 +62,12 @@ def _resize_axis(image: np.ndarray, out_size: int, axis: int) -> np.ndarray:
     starts, weights, precision = _axis_weights(in_size, out_size)
     taps = weights.shape[1]
     index = np.minimum(starts[:, None] + np.arange(taps)[None, :], in_size - 1)  # [out, taps]; zero weight past range
-    src = np.moveaxis(image, axis, 0).astype(np.int64)  # [in, other, C]
-    acc = np.full((out_size, *src.shape[1:]), 1 << (precision - 1) if precision > 0 else 0, dtype=np.int64)
+    src = np.moveaxis(image, axis, 0).astype(np.int32)  # [in, other, C]
+    # int32 as torch's kernel accumulates: |sum| <= 255 * sum|w| stays far below 2**31 (sum|w| ~ 2**precision).
+    acc = np.full((out_size, *src.shape[1:]), 1 << (precision - 1) if precision > 0 else 0, dtype=np.int32)
+    w32 = weights.astype(np.int32)
     for k in range(taps):
-        acc += src[index[:, k]] * weights[:, k, None, None]
+        acc += src[index[:, k]] * w32[:, k, None, None]
     out = np.clip(acc >> precision, 0, 255).astype(np.uint8)
     return np.moveaxis(out, 0, axis)
 
