@@ -173,3 +173,19 @@ def test_vision_weights_are_distinct_per_seed():
     config = tiny_vision_config(TinyVisionSpec(), text_hidden=40)
     a, b = random_vision_weights(config, 1), random_vision_weights(config, 2)
     assert not np.allclose(a["mm_projector.proj.0.weight"].numpy(), b["mm_projector.proj.0.weight"].numpy())
+
+
+def test_bf16_model_runs_close_to_fp32(pairs):
+    """A bf16 tower (bf16 weights and activations, rotary and softmax in fp32) stays within bf16 rounding of fp32."""
+    ours, _ = pairs["tiny"]
+    config = ours.config
+    low = KimiVisionModel(config, torch.bfloat16)
+    targets = low.checkpoint_tensors()
+    with torch.no_grad():
+        for name, tensor in ours.checkpoint_tensors().items():
+            targets[name].copy_(tensor)
+        grids = [(1, 4, 6), (1, 12, 8)]
+        pixels = torch.randn(120, 3, 14, 14, generator=torch.Generator().manual_seed(6))
+        out, want = low(pixels, grids), ours(pixels, grids)
+    assert out.dtype == torch.bfloat16
+    assert rel_error(out.float(), want) < 3e-2
