@@ -53,8 +53,8 @@ class Proxy:
         self._prefill_timeout = httpx.Timeout(config.prefill_timeout_s, connect=config.connect_timeout_s)
         self._decode_timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
         self._logged: set[tuple[str, str]] = set()
+        # True from a request that found no healthy prefill instance until a prefill succeeds (logged once).
         self._prefill_outage = False
-        """True from a request that found no healthy prefill instance until a prefill succeeds (logged once)."""
 
     async def handle(self, route: Route, raw: bytes, headers: Mapping[str, str]) -> Response:
         """A POST on `route`: prefill (when the route and body allow), then decode, relayed to the client."""
@@ -66,8 +66,7 @@ class Proxy:
             body = json.loads(raw)
         except ValueError:  # not JSON: the decode instance answers the client's mistake
             body = None
-        if can_prefill_remotely(route, body):
-            assert isinstance(body, dict)  # can_prefill_remotely checked it
+        if isinstance(body, dict) and can_prefill_remotely(route, body):
             params = await self._prefill(route, body, forwarded)
             raw = json.dumps(decode_body(body, params)).encode()
             forwarded["content-type"] = "application/json"

@@ -4,6 +4,7 @@ on the OpenAI chat and completions routes and Anthropic messages; the routes a d
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
@@ -114,6 +115,19 @@ def test_router_counts_requests(cell):
         assert router.metric("local_prefill_fallbacks_total") == fallbacks
     else:  # today's instances answer without kv_transfer_params
         assert router.metric("local_prefill_fallbacks_total", reason="no_kv_transfer_params") == fallbacks + 2
+
+
+def test_concurrent_requests_all_complete(cell):
+    """16 requests at once, streamed and not, through the router: each gets the unified text, and no lease is
+    left on either instance."""
+    unified, router, *_ = cell
+    prompts = [f"Item {i}: say something" for i in range(8)]
+    expected = {p: chat_text(unified.url, p, stream=False) for p in prompts}
+    jobs = [(p, stream) for p in prompts for stream in (False, True)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: chat_text(router.url, *job), jobs))
+    assert got == [expected[p] for p, _ in jobs]
+    assert router.metric("in_flight") == 0
 
 
 def test_decode_only_routes_relay_the_instance(cell):
