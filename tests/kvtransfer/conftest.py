@@ -90,7 +90,7 @@ def start_producer(transport: str, *, max_bytes: int = 1 << 30, ttl_s: float = 6
                               daemon=True)
     process.start()
     if not ours.poll(60):
-        os.kill(process.pid, signal.SIGKILL)
+        process.kill()
         raise RuntimeError(f"{transport} producer did not start")
     return Producer(transport, ours.recv(), process, ours, reached)
 

@@ -11,7 +11,7 @@ from deltaserve.config.kv_transfer import KVTransferConfig
 from deltaserve.kvtransfer.address import parse_address
 from deltaserve.kvtransfer.factory import make_client
 from deltaserve.kvtransfer.tcp import TcpTransferClient
-from tests.kvtransfer.conftest import TRANSPORTS, Producer, client_for, missing
+from tests.kvtransfer.conftest import TRANSPORTS, Producer, client_for, require
 
 MIB = 1 << 20
 
@@ -64,8 +64,7 @@ def test_concurrent_fetches_from_threads(producer: Producer) -> None:
 def test_any_consumer_fetches_from_any_producer(producer: Producer, consumer: str) -> None:
     """The client a consumer builds dispatches on the producer's address scheme; a producer of a transport the
     consumer has no library for is fetched over TCP."""
-    if missing(consumer):
-        pytest.skip(missing(consumer))
+    require(consumer)
     client = make_client(KVTransferConfig(kv_connector=consumer))
     sent = producer.publish(f"x-{consumer}", 3 * MIB + 5, seed=11)
     assert client.fetch(producer.address, f"x-{consumer}", timeout_s=60) == sent
