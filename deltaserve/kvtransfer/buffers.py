@@ -22,6 +22,7 @@ import sys
 import numpy as np
 
 _HUGE_PAGE = 2 << 20
+_SMALL_PAGE = 4096
 _MADV_HUGEPAGE = 14  # Linux
 _ADVISE_FROM = 4 << 20
 """Smaller buffers are not worth a system call."""
@@ -41,6 +42,13 @@ class ReceiveBuffer:
             if nbytes >= _ADVISE_FROM:
                 _advise_huge_pages(self.address, nbytes)
             self.view = memoryview((ctypes.c_char * nbytes).from_address(self.address)).cast("B")
+
+    def prefault(self) -> None:
+        """Touches every page now, for writers that fault fresh pages in far more slowly than this loop does
+        (Mooncake's TCP transport, 64 MiB, alternating rounds: 0.63 GB/s with it, 0.45 without; NIXL over UCX
+        is slower with it, 0.43 against 0.56, so it does not call this)."""
+        if self.nbytes:
+            np.frombuffer(self.view, dtype=np.uint8)[::_SMALL_PAGE] = 0
 
     def take(self) -> bytes:
         """The payload (call once, after the last write; drop the view and address then)."""

@@ -106,6 +106,7 @@ class MooncakeTransferClient:
         remote_address, nbytes = _DESCRIPTOR.unpack_from(descriptor)
         target = descriptor[_DESCRIPTOR.size:].decode()
         buffer = ReceiveBuffer(nbytes)
+        buffer.prefault()
         with self._lock:
             if self._engine.register_memory(buffer.address, nbytes) != 0:
                 raise ReadFailed("Mooncake could not register the receive buffer")
