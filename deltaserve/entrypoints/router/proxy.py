@@ -160,6 +160,9 @@ class Proxy:
                 lease.release()
                 self._decode_failed(instance, _failure_reason(exc))
                 return _instance_failed(route)
+            except BaseException:  # cancelled: the client left (the instance saw the connection close)
+                lease.release()
+                raise
             if response.status_code == 503:  # draining or its engine died: the request did not start there
                 await response.aclose()
                 lease.release()

@@ -46,13 +46,18 @@ class LiveRouter:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of the samples of `deltaserve:router_{name}` whose labels include `labels` (0 when none)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == f"deltaserve:router_{name}" and labels.items() <= sample.labels.items():
-                    total += sample.value
-        return total
+        return metric_sum(self.url, f"deltaserve:router_{name}", **labels)
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of metric `name` on `url`/metrics whose labels include `labels` (0 when none)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
 
 
 def start_router(log_dir: Path, prefill: list[str], decode: list[str], *extra: str,

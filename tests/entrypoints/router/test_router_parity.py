@@ -3,6 +3,8 @@ on the OpenAI chat and completions routes and Anthropic messages; the routes a d
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +20,7 @@ from starlette.routing import Route
 
 from tests.entrypoints.router.helpers import (
     API_KEY,
+    metric_sum,
     serve_has_kv_transfer_config,
     start_instance,
     start_router,
@@ -38,7 +41,7 @@ def cell(tiny_dir, tmp_path_factory):
     servers = []
     try:
         for role in (None, "prefill", "decode"):
-            servers.append(start_instance(tiny_dir("base"), logs, role))
+            servers.append(start_instance(tiny_dir("base"), logs, role, max_model_len=2048))
         unified, prefill, decode = servers
         router = start_router(logs, [prefill.url], [decode.url])
         yield unified, router, prefill, decode
@@ -128,6 +131,44 @@ def test_concurrent_requests_all_complete(cell):
         got = list(pool.map(lambda job: chat_text(router.url, *job), jobs))
     assert got == [expected[p] for p, _ in jobs]
     assert router.metric("in_flight") == 0
+
+
+def _raw_post(url: str, path: str, body: dict) -> socket.socket:
+    """A request on a socket of its own, so the test decides when the client leaves."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_client_that_leaves_aborts_the_decode(cell, stream):
+    """A client that disconnects mid-generation ends the request on the decode instance too (it stops running
+    without finishing its 1,500 tokens) and releases its lease in the router."""
+    _, router, _, decode = cell
+
+    def running() -> float:
+        return metric_sum(decode.url, "deltaserve:num_requests_running")
+
+    def finished() -> float:
+        return metric_sum(decode.url, "deltaserve:request_success_total")
+
+    before = finished()
+    sock = _raw_post(router.url, "/v1/chat/completions",
+                     {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 1500,
+                      "ignore_eos": True, "temperature": 0, "stream": stream})
+    if stream:  # generating once its first event is here
+        received = b""
+        while b"data:" not in received:
+            received += sock.recv(65536)
+    else:
+        wait_until(lambda: running() == 1, "the decode instance running the request")
+    sock.close()
+    wait_until(lambda: router.metric("in_flight") == 0, "the router to release the lease")
+    wait_until(lambda: running() == 0, "the decode instance to stop the request")
+    assert finished() == before  # stopped, not run to its end
 
 
 def test_decode_only_routes_relay_the_instance(cell):
