@@ -114,7 +114,7 @@ class Proxy:
             return None
         finally:
             lease.release()
-        if response.status_code >= 500:
+        if response.status_code >= 500 or response.status_code == 429:  # its failure or its queue: another may do
             self._prefill_failed(pool, instance, f"status_{response.status_code}",
                                  mark_down=response.status_code == 503)
             return None
@@ -164,8 +164,8 @@ class Proxy:
                 lease.release()
                 raise
             if response.status_code == 503:  # draining or its engine died: the request did not start there
-                await response.aclose()
                 lease.release()
+                await response.aclose()
                 last = self._decode_failed(instance, "status_503")
                 continue
             return await self._relay(route, instance, lease, response, stream)
