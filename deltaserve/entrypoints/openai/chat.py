@@ -243,7 +243,8 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = frontend.stream(request_id, frontend.generate(request_id, plan.prompt_ids, plan.params,
                                                            plan.processors(frontend), priority=plan.priority,
-                                                           session_id=body.user))
+                                                           session_id=body.user,
+                                                           kv_transfer_params=body.kv_transfer_params))
     usage_mode = body.stream_options.usage_mode() if body.stream_options else None
     return _events(frontend, plan, request_id, stream, usage_mode)
 
