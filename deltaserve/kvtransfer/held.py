@@ -84,12 +84,6 @@ class HeldPayloads:
         self._drop(dropped)
         return held
 
-    def peek_descriptor(self, transfer_id: str) -> bytes | None:
-        """The entry's zero-copy descriptor (b"" if it has none) without taking it; None if unknown."""
-        with self._lock:
-            held = self._entries.get(transfer_id)
-            return None if held is None else held.descriptor
-
     def withdraw(self, transfer_id: str) -> None:
         with self._lock:
             dropped = self._pop([transfer_id] if transfer_id in self._entries else [])

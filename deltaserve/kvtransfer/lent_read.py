@@ -1,7 +1,7 @@
 """The consumer's side of a zero-copy read, shared by the NIXL and Mooncake clients: LEND over the control
 connection, read the producer's registered buffer with the library, RELEASE; the bytes come over the connection
-instead when the library's read fails before the deadline (a producer without that library answers UNSUPPORTED
-and is FETCHed the same way)."""
+instead when the library's read fails before the deadline, or when the producer holds the payload without a
+zero-copy path (UNSUPPORTED)."""
 
 from __future__ import annotations
 
@@ -22,17 +22,18 @@ def fetch_lent(channel: Channel, transfer_id: str, read: Callable[[bytes], bytes
     """`read(descriptor)` returns the payload, None when it ran past the channel's deadline (no retry then), or
     raises ReadFailed (the bytes are then SENT over the connection)."""
     status, length = channel.ask(Op.LEND, transfer_id)
-    if status is Status.UNSUPPORTED:
-        return channel.fetch_plain(Op.FETCH, transfer_id)
-    if status is not Status.OK:
-        return None
-    descriptor = channel.read_small(length)
     payload: bytes | None
-    try:
-        payload = read(descriptor)
-    except ReadFailed as exc:
-        logger.warning("kv transfer: zero-copy read of %s failed (%s): fetching over TCP", transfer_id, exc)
+    if status is Status.UNSUPPORTED:  # lent, but held without a zero-copy path (empty, or not registered)
         payload = channel.fetch_plain(Op.SEND, transfer_id)
+    elif status is not Status.OK:
+        return None
+    else:
+        descriptor = channel.read_small(length)
+        try:
+            payload = read(descriptor)
+        except ReadFailed as exc:
+            logger.warning("kv transfer: zero-copy read of %s failed (%s): fetching over TCP", transfer_id, exc)
+            payload = channel.fetch_plain(Op.SEND, transfer_id)
     if payload is not None:
         channel.tell(Op.RELEASE, transfer_id)
     return payload

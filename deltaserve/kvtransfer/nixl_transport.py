@@ -9,6 +9,8 @@ and the producer deregisters it. Imported only when used; the library imports to
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import struct
 import threading
 import time
@@ -26,18 +28,35 @@ from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
 from deltaserve.kvtransfer.transport import TransportStats
 from deltaserve.kvtransfer.wire import Deadline, Op
 
+logger = logging.getLogger(__name__)
+
 _DESCRIPTOR = struct.Struct("<QI")  # payload length, agent metadata length; then the metadata, then the descriptors
+_INFINIBAND = "/sys/class/infiniband"
 _POLL_S = 0.0002
 """Pause between polls of a transfer's state (a busy loop would take a core from the transfer itself)."""
 
 
 def import_nixl() -> Any:
     """The `nixl._api` module; ImportError naming `kv_connector` and the install line when it is missing."""
+    _skip_unused_infiniband()
     try:
         return importlib.import_module("nixl._api")
     except ImportError as exc:
         raise ImportError(f"kv_transfer_config.kv_connector 'nixl' needs the NIXL library: "
                           f"pip install -c constraints.txt nixl ({exc})") from exc
+
+
+def _skip_unused_infiniband() -> None:
+    """On a machine without InfiniBand devices, keeps UCX from loading its ib module (unless UCX_MODULES is set).
+
+    The NIXL wheel's UCX ib module pulls in the system's libnl-route-3 beside the copy bundled in the wheel, and
+    the two crash in their exit-time destructors: every process that created a NIXL agent then ends with SIGSEGV
+    (status 139) after its last line of Python, here with Debian's libibverbs1 installed (which Mooncake needs).
+    Without devices the module has nothing to offer; with them it is left alone."""
+    has_devices = os.path.isdir(_INFINIBAND) and bool(os.listdir(_INFINIBAND))
+    if not has_devices and "UCX_MODULES" not in os.environ:
+        os.environ["UCX_MODULES"] = "^ib"
+        logger.info("kv transfer: no InfiniBand devices: UCX_MODULES=^ib (NIXL's UCX then exits cleanly)")
 
 
 def _agent(api: Any) -> Any:
@@ -66,7 +85,12 @@ class NixlTransferServer(TcpTransferServer):
         (region,) = _region(address, len(payload))
         with self._agent_lock:
             registered = self._agent.get_reg_descs([(*region, "")], "DRAM")
-            self._agent.register_memory(registered)
+            try:
+                self._agent.register_memory(registered)
+            except Exception as exc:  # noqa: BLE001 (e.g. the same bytes object published twice: TCP then)
+                logger.warning("kv transfer: NIXL did not register a %d-byte payload (%s): sent over TCP",
+                               len(payload), exc)
+                return Held(payload)
             # the metadata for this buffer only (its remote key), with how to connect to this agent
             metadata = self._agent.get_partial_agent_metadata(registered, inc_conn_info=True)
             descs = self._agent.get_serialized_descs(self._agent.get_xfer_descs([region], "DRAM"))

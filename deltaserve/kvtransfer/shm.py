@@ -43,7 +43,11 @@ class ShmTransferServer(TcpTransferServer):
         if not payload or not os.path.isdir(SHM_DIR):
             return Held(payload)
         name = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
-        segment = shared_memory.SharedMemory(name=name, create=True, size=len(payload))
+        try:
+            segment = shared_memory.SharedMemory(name=name, create=True, size=len(payload))
+        except OSError as exc:
+            logger.warning("kv transfer: no shared-memory segment for %d bytes (%s): sent over TCP", len(payload), exc)
+            return Held(payload)
         try:
             _reserve(name, len(payload))
         except OSError as exc:

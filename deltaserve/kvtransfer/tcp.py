@@ -157,13 +157,13 @@ class TcpTransferServer:
         elif request.op is Op.LEND:
             if lent is not None:  # one loan per connection: a second LEND returns the first
                 lent.free()
-                lent = None
-            descriptor = self._held.peek_descriptor(request.transfer_id)
-            if not descriptor:  # unknown, or held without a zero-copy path: the client FETCHes instead
-                send_reply(connection, Status.UNKNOWN if descriptor is None else Status.UNSUPPORTED)
-                return None
             lent = self._held.take(request.transfer_id)
-            send_reply(connection, Status.UNKNOWN if lent is None else Status.OK, lent.descriptor if lent else b"")
+            if lent is None:
+                send_reply(connection, Status.UNKNOWN)
+            elif not lent.descriptor:  # held without a zero-copy path: the client asks for the bytes (SEND)
+                send_reply(connection, Status.UNSUPPORTED)
+            else:
+                send_reply(connection, Status.OK, lent.descriptor)
         elif request.op is Op.SEND:
             send_reply(connection, Status.UNKNOWN if lent is None else Status.OK, lent.view if lent else b"")
         elif request.op is Op.RELEASE and lent is not None:

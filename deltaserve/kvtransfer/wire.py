@@ -25,9 +25,9 @@ class Op(enum.IntEnum):
     """Take the payload and send its bytes in the reply."""
     LEND = 2
     """Take the payload, keep it for this connection, reply with the transport's descriptor (a zero-copy read
-    follows); UNSUPPORTED without taking it when the payload has no descriptor (the client then FETCHes)."""
+    follows), or UNSUPPORTED when the payload is held without one (the client then asks for it with SEND)."""
     SEND = 3
-    """Send the bytes of the payload lent on this connection (the zero-copy read failed)."""
+    """Send the bytes of the payload lent on this connection (it has no zero-copy path, or the read failed)."""
     RELEASE = 4
     """The client is done with the payload lent on this connection (no reply)."""
 
