@@ -8,6 +8,7 @@ from deltaserve.config.parallel_check import check_parallel
 from deltaserve.config.quantization import QuantizationConfig
 from deltaserve.config.server import ServerConfig
 from deltaserve.config.speculative import SpeculativeConfig
+from deltaserve.config.vision import VisionConfig
 
 __all__ = [
     "check_parallel",
@@ -26,5 +27,6 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "SpeculativeConfig",
+    "VisionConfig",
     "parse_memory",
 ]

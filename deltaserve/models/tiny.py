@@ -24,7 +24,9 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = DEFAULT_SPEC) ->
     """Write config.json, generation_config.json, safetensors weights and a small BPE tokenizer to `out_dir`, for
     the architecture `spec.arch` names."""
     if spec.arch == "kimi_k3":
-        return write_tiny_k3_checkpoint(out_dir, spec)
+        return write_tiny_k3_checkpoint(out_dir, spec, vision=spec.vision)
+    if spec.vision:
+        raise ValueError("vision=True needs arch='kimi_k3' (Kimi Linear has no vision tower)")
     if spec.arch == "kimi_linear":
         return write_tiny_kimi_linear_checkpoint(out_dir, spec)
     raise ValueError(f"arch={spec.arch!r} must be 'kimi_linear' or 'kimi_k3'")

@@ -48,6 +48,8 @@ class TinySpec:
     """kimi_k3: decoder layers per Block AttnRes block; none for plain residuals."""
     expert_format: str = "compressed-tensors"
     """kimi_k3: routed experts in MXFP4, "compressed-tensors" (K3's layout) or "gpt-oss", or "dense"."""
+    vision: bool = False
+    """kimi_k3: add a tiny vision tower and projector (`vision_tower.*`, `mm_projector.*`, models/tiny_vision.py)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -17,7 +17,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 REF = "ref"
-FAMILIES = ("activation", "attn_res", "kda", "linear", "mla", "moe", "mxfp4", "norm", "sampling", "short_conv")
+FAMILIES = ("activation", "attn_res", "kda", "linear", "mla", "moe", "mxfp4", "norm", "sampling", "short_conv",
+            "vision")
 """The modules of `deltaserve.ops` that define ops; `log_backends` imports them all."""
 
 logger = logging.getLogger(__name__)
