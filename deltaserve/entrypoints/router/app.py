@@ -42,12 +42,12 @@ def build_app(config: RouterConfig) -> Starlette:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
                               keepalive_expiry=_KEEPALIVE_EXPIRY_S)
         async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-            state["proxy"] = Proxy(config, pools, metrics, client)
-            await check_all(client, pools, config.health_timeout_s)
+            state["proxy"] = Proxy(config.timeouts, pools, metrics, client)
+            await check_all(client, pools, config.timeouts.health_timeout_s)
             logger.info("router: %d/%d prefill and %d/%d decode instances healthy", pools.prefill.num_healthy,
                         len(pools.prefill), pools.decode.num_healthy, len(pools.decode))
-            checks = asyncio.create_task(run_health_checks(client, pools, config.health_interval_s,
-                                                           config.health_timeout_s))
+            checks = asyncio.create_task(run_health_checks(client, pools, config.timeouts.health_interval_s,
+                                                           config.timeouts.health_timeout_s))
             try:
                 yield
             finally:

@@ -9,6 +9,9 @@ import logging
 import sys
 from typing import Any
 
+from deltaserve.entrypoints.router.config import RouterTimeouts
+from deltaserve.utils.cli_args import add_dataclass_args, dataclass_from_args, field_docs
+
 _ROUTER_HELP = "prefill/decode disaggregation router in front of `deltaserve serve` instances"
 _DISAGG_HELP = ("start prefill and decode instances of one model on this machine and serve a router in front of "
                 "them; options not listed here go unchanged to every `deltaserve serve` instance")
@@ -34,7 +37,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="base URL of a decode instance (repeat for several)")
     router.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     router.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    _add_router_timeouts(router)
+    add_dataclass_args(router.add_argument_group("instances (help from RouterTimeouts)"), RouterTimeouts)
     router.set_defaults(func=_run_router)
 
     # No abbreviations: an instance option that begins like one of ours must reach the instances whole.
@@ -54,23 +57,11 @@ def add_parsers(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="longest wait for every instance's /health (default: 600)")
     disagg.add_argument("--shutdown-grace-s", type=float, default=40.0,
                         help="how long a stopping instance gets before it is killed (default: 40)")
-    disagg.add_argument("--health-interval-s", type=float, default=2.0,
-                        help="seconds between the router's health checks (default: 2)")
+    # The router's other timeouts keep their defaults: `--health-timeout-s` is an instance option (ServerConfig).
+    default_interval = RouterTimeouts().health_interval_s
+    disagg.add_argument("--health-interval-s", type=float, default=default_interval,
+                        help=f"{field_docs(RouterTimeouts)['health_interval_s']} (default: {default_interval})")
     disagg.set_defaults(func=_run_serve_disagg, serve_args=[])
-
-
-def _add_router_timeouts(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--health-interval-s", type=float, default=2.0,
-                        help="seconds between two health checks of every instance (default: 2)")
-    parser.add_argument("--health-timeout-s", type=float, default=2.0,
-                        help="a /health slower than this fails the check (default: 2)")
-    parser.add_argument("--connect-timeout-s", type=float, default=5.0,
-                        help="longest wait for a connection to an instance (default: 5)")
-    parser.add_argument("--prefill-timeout-s", type=float, default=300.0,
-                        help="longest wait for a prefill instance's answer (default: 300)")
-    parser.add_argument("--decode-timeout-s", type=float, default=600.0,
-                        help="longest wait for a decode instance's next bytes: headers, a whole non-streamed body, "
-                             "the next stream event (default: 600)")
 
 
 def _run_router(args: argparse.Namespace) -> int:
@@ -78,9 +69,7 @@ def _run_router(args: argparse.Namespace) -> int:
     from deltaserve.entrypoints.router.config import RouterConfig
 
     config = RouterConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
-                          port=args.port, health_interval_s=args.health_interval_s,
-                          health_timeout_s=args.health_timeout_s, connect_timeout_s=args.connect_timeout_s,
-                          prefill_timeout_s=args.prefill_timeout_s, decode_timeout_s=args.decode_timeout_s)
+                          port=args.port, timeouts=dataclass_from_args(RouterTimeouts, args))
     return run_router(config, _log_level(args))
 
 
@@ -100,7 +89,7 @@ def _run_serve_disagg(args: argparse.Namespace) -> int:
     plan = DisaggPlan(model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
                       port=args.port, kv_transfer_config=kv, serve_args=tuple(args.serve_args),
                       startup_timeout_s=args.startup_timeout_s, shutdown_grace_s=args.shutdown_grace_s,
-                      health_interval_s=args.health_interval_s)
+                      timeouts=RouterTimeouts(health_interval_s=args.health_interval_s))
     return serve_disagg(plan, _log_level(args))
 
 

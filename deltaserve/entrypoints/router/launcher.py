@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from deltaserve.entrypoints.router.app import run_router
-from deltaserve.entrypoints.router.config import RouterConfig
+from deltaserve.entrypoints.router.config import RouterConfig, RouterTimeouts
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ class DisaggPlan:
     startup_timeout_s: float = 600.0
     shutdown_grace_s: float = 40.0
     """How long a stopping instance gets (it drains its requests first) before it is killed."""
-    health_interval_s: float = 2.0
+    timeouts: RouterTimeouts = field(default_factory=RouterTimeouts)
+    """The router's."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -96,7 +97,7 @@ def serve_disagg(plan: DisaggPlan, log_level: str = "info") -> int:
         _watch(children, stopping)
         config = RouterConfig(prefill_urls=tuple(c.url for c in children if c.name.startswith("prefill")),
                               decode_urls=tuple(c.url for c in children if c.name.startswith("decode")),
-                              host=plan.host, port=plan.port, health_interval_s=plan.health_interval_s)
+                              host=plan.host, port=plan.port, timeouts=plan.timeouts)
         logger.info("serve-disagg: %d prefill and %d decode instances ready; router on http://%s:%d",
                     plan.num_prefill, plan.num_decode, plan.host, plan.port)
         try:

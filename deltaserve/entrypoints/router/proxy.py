@@ -13,7 +13,7 @@ import httpx
 from starlette.responses import Response
 
 from deltaserve.entrypoints.router.bodies import Route, can_prefill_remotely, decode_body, prefill_body, wants_stream
-from deltaserve.entrypoints.router.config import RouterConfig
+from deltaserve.entrypoints.router.config import RouterTimeouts
 from deltaserve.entrypoints.router.errors import error_response
 from deltaserve.entrypoints.router.instances import Instance, InstancePool, Lease, Pools
 from deltaserve.entrypoints.router.metrics import RouterMetrics
@@ -45,13 +45,13 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
 class Proxy:
     """Sends requests to the instances of `pools` over `client`, counting what happens in `metrics`."""
 
-    def __init__(self, config: RouterConfig, pools: Pools, metrics: RouterMetrics, client: httpx.AsyncClient) -> None:
-        self.config = config
+    def __init__(self, timeouts: RouterTimeouts, pools: Pools, metrics: RouterMetrics,
+                 client: httpx.AsyncClient) -> None:
         self.pools = pools
         self.metrics = metrics
         self.client = client
-        self._prefill_timeout = httpx.Timeout(config.prefill_timeout_s, connect=config.connect_timeout_s)
-        self._decode_timeout = httpx.Timeout(config.decode_timeout_s, connect=config.connect_timeout_s)
+        self._prefill_timeout = httpx.Timeout(timeouts.prefill_timeout_s, connect=timeouts.connect_timeout_s)
+        self._decode_timeout = httpx.Timeout(timeouts.decode_timeout_s, connect=timeouts.connect_timeout_s)
         self._logged: set[tuple[str, str]] = set()
         # True from a request that found no healthy prefill instance until a prefill succeeds (logged once).
         self._prefill_outage = False
