@@ -1,5 +1,5 @@
 """`deltaserve serve-disagg` end to end: one prefill and one decode instance and the router answer a chat request;
-SIGTERM stops the router and every process it started."""
+SIGTERM or SIGINT stops the router and every process it started, and so does killing the launcher outright."""
 
 from __future__ import annotations
 
@@ -51,9 +51,11 @@ def _healthy(url: str) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not serve_has_kv_transfer_config(), reason="needs --kv-transfer-config")
-def test_serve_disagg_answers_and_sigterm_leaves_no_process(tiny_dir, tmp_path):
-    """serve-disagg 1P + 1D answers a chat request through its router; SIGTERM ends it with status 0 and every
-    instance and engine process it started gone."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+def test_serve_disagg_answers_and_stops_every_process(tiny_dir, tmp_path, sig):
+    """serve-disagg 1P + 1D answers a chat request through its router; SIGTERM or SIGINT ends it with status 0
+    and every instance and engine process it started gone; killed outright (SIGKILL), its instances still stop
+    (the parent-death signal)."""
     port = free_port()
     log = tmp_path / "serve-disagg.log"
     cmd = [sys.executable, "-m", "deltaserve.entrypoints.router.commands", "serve-disagg", "--model",
@@ -63,6 +65,7 @@ def test_serve_disagg_answers_and_sigterm_leaves_no_process(tiny_dir, tmp_path):
         launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
+    started: set[int] = set()
     try:
         wait_until(lambda: launcher.poll() is not None or _healthy(url), "the serve-disagg router", timeout_s=300)
         assert launcher.poll() is None, log.read_text()[-4000:]
@@ -71,12 +74,15 @@ def test_serve_disagg_answers_and_sigterm_leaves_no_process(tiny_dir, tmp_path):
                                              max_tokens=4, temperature=0)
         assert out.choices[0].message.content
         started = _children(launcher.pid)
-        assert len(started) >= 2  # two instances, and their engine processes
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=120) == 0, log.read_text()[-4000:]
-        left = [pid for pid in started if _alive(pid)]
-        assert not left, f"left behind: {left}\n{log.read_text()[-4000:]}"
+        assert len(started) >= 4  # two instances and their engine processes
+        launcher.send_signal(sig)
+        status = launcher.wait(timeout=120)
+        assert status == (-signal.SIGKILL if sig == signal.SIGKILL else 0), log.read_text()[-4000:]
+        wait_until(lambda: not any(_alive(pid) for pid in started), "every started process to exit", timeout_s=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        for pid in started:  # a failed test leaves nothing running either
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
