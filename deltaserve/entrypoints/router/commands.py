@@ -99,8 +99,6 @@ def _log_level(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`router ...` or `serve-disagg ...` without the rest of the `deltaserve` command line."""
-    from deltaserve.entrypoints.router.launcher import ChildExited
-
     parser = argparse.ArgumentParser(prog="deltaserve", description="disaggregated serving")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     add_parsers(parser.add_subparsers(dest="command", required=True))
@@ -109,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         return int(args.func(args))
-    except (ValueError, OSError, ChildExited) as exc:  # bad input or environment: one line, no traceback
+    except (ValueError, OSError) as exc:  # bad input or environment (an instance that failed): one line
         print(f"deltaserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

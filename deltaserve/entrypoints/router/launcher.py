@@ -75,8 +75,8 @@ class Child:
     process: subprocess.Popen[bytes]
 
 
-class ChildExited(RuntimeError):
-    """An instance exited while the launcher waited for it."""
+class ChildExited(ChildProcessError):
+    """An instance exited while the launcher waited for it (an OSError: the command line prints it as one line)."""
 
 
 class _Interrupted(Exception):
