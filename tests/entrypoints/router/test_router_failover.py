@@ -1,5 +1,5 @@
-"""1 prefill + 2 decode instances behind the router: outputs equal a direct request; a killed prefill instance
-means local prefills (counted); a decode instance frozen or killed under a stream ends it with an error event
+"""1 prefill + 2 decode instances behind the router: outputs equal a direct request; a frozen or killed prefill
+instance means local prefills (counted); a decode instance frozen or killed under a stream ends it with an error event
 while the other decode instance goes on serving; with none left, a 503 in the route's error shape.
 
 The tests run in file order on one set of instances, each killing what the next no longer needs.
@@ -63,23 +63,38 @@ def test_one_prefill_two_decode_equals_direct(cell):
     assert router.metric("decode_failures_total") == 0
 
 
+def _fallbacks(router) -> float:
+    return (router.metric("local_prefill_fallbacks_total", reason="prefill_failed")
+            + router.metric("local_prefill_fallbacks_total", reason="no_healthy_prefill_instance"))
+
+
+def test_frozen_prefill_instance_falls_back_and_comes_back(cell):
+    """A prefill instance that stops answering (SIGSTOP) does not hang the request: once its health check fails
+    the decode instance prefills locally (counted); after SIGCONT it is back in the pool."""
+    prefill, decodes, router = cell
+    expected = chat(decodes[0].url)
+    before = _fallbacks(router)
+    prefill.process.send_signal(signal.SIGSTOP)
+    try:
+        assert chat(router.url) == expected
+        assert _fallbacks(router) == before + 1
+    finally:
+        prefill.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: router.metric("instance_healthy", role="prefill") == 1, "the prefill instance back")
+
+
 def test_prefill_instance_killed_falls_back_to_local_prefill(cell):
     """With the only prefill instance dead, requests are still served (the decode instance prefills), the same
     text, and the fallback is counted."""
     prefill, decodes, router = cell
     expected = chat(decodes[0].url)
-
-    def fallbacks() -> float:
-        return (router.metric("local_prefill_fallbacks_total", reason="prefill_failed")
-                + router.metric("local_prefill_fallbacks_total", reason="no_healthy_prefill_instance"))
-
-    before = fallbacks()
+    before = _fallbacks(router)
     _kill(prefill)
     assert chat(router.url) == expected
-    assert fallbacks() == before + 1
+    assert _fallbacks(router) == before + 1
     wait_until(lambda: router.metric("instance_healthy", role="prefill") == 0, "the prefill instance marked down")
     assert chat(router.url) == expected
-    assert fallbacks() == before + 2
+    assert _fallbacks(router) == before + 2
 
 
 def _busy_after_first_event(router, decodes, stream):
