@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from deltaserve.config.kv_transfer import RemotePrefill
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -59,6 +60,8 @@ class Request:
     KDA state after its prompt) is published once its prompt is computed."""
     remote_prefill: RemotePrefill | None = None
     """Decode side: where a prefill instance holds this request's cache for its first `num_tokens` prompt tokens."""
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images, in prompt order: their placeholder tokens take the images' features."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Proposed next tokens (speculative decoding), set before `schedule()` and cleared by the step that verifies
     them; the scheduler may verify fewer (budget, length limits)."""
@@ -84,6 +87,16 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def cache_token_slice(self, start: int, end: int) -> list[int]:
+        """`token_slice`, with each image placeholder token replaced by its image's `cache_token`: what prefix-cache
+        keys hash, so that cached blocks and states over an image are found only for the same image."""
+        tokens = self.token_slice(start, end)
+        for image in self.images:
+            lo, hi = max(image.offset, start), min(image.end, end)
+            if lo < hi:
+                tokens[lo - start:hi - start] = [image.cache_token] * (hi - lo)
+        return tokens
 
     @property
     def is_finished(self) -> bool:

@@ -197,7 +197,7 @@ class CacheManager:
         Only the blocks not hashed yet are sliced and hashed, so a step costs what it adds, not the context."""
         bs, hashes = self.block_size, self._hashes.setdefault(request.request_id, [])
         if len(hashes) < num_blocks:
-            tokens = request.token_slice(len(hashes) * bs, num_blocks * bs)
+            tokens = request.cache_token_slice(len(hashes) * bs, num_blocks * bs)
             hashes.extend(chain_hashes(tokens, bs, parent=parent_hash(hashes, len(hashes))))
         return hashes
 
@@ -229,7 +229,7 @@ class CacheManager:
                 if length > limit or (best and len(tokens) <= best[0] - j * bs):
                     continue
                 ckpt = self._checkpoint((parent, tokens))
-                if ckpt is not None and tuple(request.token_slice(j * bs, length)) == tokens:
+                if ckpt is not None and tuple(request.cache_token_slice(j * bs, length)) == tokens:
                     best = (length, block, ckpt)
             if best is not None:
                 return PrefixHit(length=best[0], blocks=tuple(blocks[:j]), partial_block=best[1], checkpoint=best[2])
@@ -272,7 +272,7 @@ class CacheManager:
         bs, chain = self.block_size, self._stable.setdefault(request.request_id, [])
         while len(chain) < num_blocks:
             j = len(chain)
-            data = array("q", request.token_slice(j * bs, (j + 1) * bs)).tobytes()
+            data = array("q", request.cache_token_slice(j * bs, (j + 1) * bs)).tobytes()
             chain.append(hashlib.blake2b(data, digest_size=16, key=bytes.fromhex(chain[-1]) if chain else b"")
                          .hexdigest())
         return chain
@@ -364,7 +364,7 @@ class CacheManager:
             return False
         full = length // bs
         hashes = self.hashes(request, full)
-        parent, tail = parent_hash(hashes, full), tuple(request.token_slice(full * bs, length))
+        parent, tail = parent_hash(hashes, full), tuple(request.cache_token_slice(full * bs, length))
         wanted: list[tuple[str, BlockKey | CheckpointKey, int, int]] = [
             ("kv", (h, None), b, 0) for b, h in enumerate(hashes) if self.blocks.lookup(h) is None]
         if tail and tail not in self.blocks.lookup_partials(parent):
@@ -589,7 +589,8 @@ class CacheManager:
     def key(self, request: Request, length: int) -> CheckpointKey:
         """The checkpoint key of the request's first `length` tokens."""
         full = length // self.block_size
-        return parent_hash(self._chain(request, full), full), tuple(request.token_slice(full * self.block_size, length))
+        tail = request.cache_token_slice(full * self.block_size, length)
+        return parent_hash(self._chain(request, full), full), tuple(tail)
 
     def commit(self, request: Request) -> None:
         """After a step: make the newly completed full blocks and checkpoints of the request findable."""

@@ -26,6 +26,7 @@ from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.stats import EngineStats
 from deltaserve.executor import Executor, make_executor
 from deltaserve.executor.shared_store import RankZeroLookup, open_shared_store
+from deltaserve.multimodal.inputs import ImageInput, check_images
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.request import FinishReason, Request
 from deltaserve.sampling_params import SamplingParams
@@ -233,8 +234,11 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     eos_token_ids: frozenset[int] = frozenset(), priority: int = 0,
-                    kv_transfer_params: dict[str, Any] | None = None) -> None:
+                    kv_transfer_params: dict[str, Any] | None = None, images: tuple[ImageInput, ...] = ()) -> None:
         """Queue a request (n must be 1 here: the frontend fans n out). ValueError on bad input.
+
+        `images`: the prompt's preprocessed images, each over its run of placeholder tokens (a model without a
+        vision tower refuses them).
 
         `kv_transfer_params` (prefill/decode disaggregation): `{"do_remote_decode": true}` on a prefill instance
         computes the prompt but its last token, publishes that cache and finishes (its last output carries the
@@ -245,6 +249,10 @@ class EngineCore:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         self.validate_prompt(prompt_token_ids)
+        if images:
+            if self.model_config.vision is None:
+                raise ValueError("this model has no vision tower: it cannot take images")
+            check_images(images, prompt_token_ids, self.model_config.vision.media_placeholder_token_id)
         vocab = self.model_config.vocab_size
         if params.allowed_token_ids is not None and not any(t < vocab for t in params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids has no token in the vocabulary [0, {vocab})")
@@ -260,6 +268,8 @@ class EngineCore:
             arrival_index=next(self._arrivals), priority=priority, max_total_tokens=self.max_model_len,
             skip_prefix_cache=params.prompt_logprobs is not None,  # every prompt position must run the model
             kv_send=None if send is None else send.transfer_id, remote_prefill=remote,
+            # A prefill-side request's prompt may end inside an image: the runner takes the rows it covers.
+            images=tuple(i for i in images if i.offset < len(prompt_token_ids)),
         )
         if send is not None:
             self._sends[request_id] = send

@@ -9,15 +9,18 @@ import logging
 import torch
 
 from deltaserve.cache.planner import CacheLayout
-from deltaserve.config import EngineConfig
+from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import init_parallel_group
 from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.executor.base import WorkerInfo
 from deltaserve.executor.shared_store import open_shared_store, shared_namespace
 from deltaserve.kvtransfer.transport import TransferServer
 from deltaserve.layers.linear import prepack_weights
+from deltaserve.models.kimi_vision import load_vision_model
 from deltaserve.models.loader import load_model
 from deltaserve.ops import dispatch
+from deltaserve.runner.encoder_cache import EncoderCache
+from deltaserve.runner.image_embedder import ImageEmbedder
 from deltaserve.runner.kv_transfer_io import KVTransferIO
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.runner.shared_io import SharedStoreIO
@@ -71,6 +74,10 @@ class Worker:
         eplb = EPLBSettings(par.num_redundant_experts, par.eplb_step_interval) if par.enable_eplb else None
         self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=device,
                                 tp=self.group, expert_parallel=par.enable_expert_parallel, eplb=eplb)
+        # The vision tower, beside the language model (replicated on every rank), loaded before the cache is sized so
+        # that its weights count as used memory.
+        self.vision = load_vision_model(config.model, dtype=getattr(torch, config.dtype), device=device) \
+            if ModelConfig.from_pretrained(config.model).vision is not None else None
         backends = dispatch.log_backends()  # which kernels serve each op here, once
         if on_cpu and backends["linear"][0] != dispatch.REF and isinstance(self.model, torch.nn.Module):
             packed = prepack_weights(self.model)
@@ -98,6 +105,8 @@ class Worker:
                                   num_slots=num_slots,
                                   max_num_tokens=self.config.scheduler.max_num_batched_tokens,
                                   num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots)
+        if self.vision is not None:
+            self.runner.images = ImageEmbedder(self.vision, EncoderCache(), getattr(torch, self.config.dtype))
         store = open_shared_store(self.config)
         if store is not None:
             self.runner.shared = SharedStoreIO(store, self.rank, self.config.parallel.world_size)

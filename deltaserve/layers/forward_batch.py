@@ -49,6 +49,11 @@ class ForwardBatch:
     the KDA state (recurrent state and conv window) is saved: prefix-cache checkpoints. None for none."""
     checkpoint_slots: tuple[tuple[int, ...], ...] | None = None
     """The state slots those checkpoints are written to, aligned with `checkpoint_positions`."""
+    embed_rows: torch.Tensor | None = None
+    """[n] int64 token rows whose input embeddings are `embed_values` instead of their token's (image
+    placeholders; None: every row embeds its token)."""
+    embed_values: torch.Tensor | None = None
+    """[n, hidden] the embeddings of `embed_rows` (projected image features)."""
 
     @property
     def num_decode_like(self) -> int:

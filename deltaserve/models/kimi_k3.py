@@ -1,6 +1,7 @@
 """Kimi K3 (`KimiK3ForConditionalGeneration`, its language model): KDA with the bounded decay gate, full-rank
 output gate and fp32 conv; gated MLA; LatentMoE with SiTU and MXFP4 routed experts; Block Attention Residuals
-(model-spec §1, §3-§7, §9.2, §10). Same layers, ops and cache kinds as Kimi Linear; the vision tower is out of scope.
+(model-spec §1, §3-§7, §9.2, §10). Same layers, ops and cache kinds as Kimi Linear. The vision tower is a separate
+part (`kimi_vision.py`); its features reach this model through `ForwardBatch.embed_rows` / `embed_values`.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
         cfg = self.config
         h = self.vocab.embed(input_ids, self.embed_tokens)
+        if batch.embed_rows is not None and batch.embed_values is not None:  # image placeholders: their features
+            h = h.index_copy(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         if cfg.attn_res_block_size is None:
             for layer, cache in zip(self.decoder_layers, caches, strict=True):
                 h = layer(h, batch, cache)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -12,9 +13,11 @@ import torch
 from deltaserve.cache.remote import TransferResult
 from deltaserve.layers.forward_batch import KDALayerCache
 from deltaserve.models.protocol import Model
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.runner.host_cache import HostCache
+from deltaserve.runner.image_embedder import ImageEmbedder
 from deltaserve.runner.input_batch import InputBatch
 from deltaserve.runner.kv_tensors import allocate_layer_caches
 from deltaserve.runner.kv_transfer_io import KVTransferIO
@@ -52,6 +55,8 @@ class ModelRunner:
         """The shared store's reader and writer (set by the worker when a store is configured)."""
         self.transfer: KVTransferIO | None = None
         """Disaggregation: publishes prefill caches and fetches remote ones (set by the worker when configured)."""
+        self.images: ImageEmbedder | None = None
+        """The vision tower and encoder cache (set by the worker when the checkpoint has a vision tower)."""
         self.input_batch = InputBatch(block_size=block_size, device=self.device, max_num_tokens=max_num_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -186,6 +191,10 @@ class ModelRunner:
                 self.reset_slot(c.state_slot)
         ids, batch, order = self.input_batch.build(chunks)
         start = time.perf_counter()
+        if self.images is not None:
+            placed = self.images.embeds([chunks[i] for i in order], batch.cu_seqlens_host, self._images_of)
+            if placed is not None:
+                batch = dataclasses.replace(batch, embed_rows=placed[0], embed_values=placed[1])
         hidden = self.model(ids, batch, self.caches)
         row_of_chunk = [0] * len(order)  # original index -> sequence row in the batch
         for row, i in enumerate(order):
@@ -201,6 +210,10 @@ class ModelRunner:
             self._collect_prompt_logprobs(chunks, hidden, cu, row_of_chunk)
         self.last_forward_seconds = time.perf_counter() - start
         return logits
+
+    def _images_of(self, request_id: str) -> tuple[ImageInput, ...]:
+        state = self._requests.get(request_id)
+        return () if state is None else state.data.images
 
     def _wants_prompt_logprobs(self, request_id: str) -> bool:
         state = self._requests.get(request_id)

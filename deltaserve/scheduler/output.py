@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from deltaserve.cache.host_tier import HostCopies
 from deltaserve.cache.manager import SharedStoreOps
 from deltaserve.cache.remote import RemoteFetch, TransferResult
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
 
@@ -23,6 +24,8 @@ class NewRequestData:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_token_ids: frozenset[int]
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images: the runner puts their features in place of their placeholder tokens' embeddings."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

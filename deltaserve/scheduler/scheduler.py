@@ -274,7 +274,7 @@ class Scheduler:
 
     def _new_data(self, request: Request) -> NewRequestData:
         return NewRequestData(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                              params=request.params, stop_token_ids=request.stop_token_ids)
+                              params=request.params, stop_token_ids=request.stop_token_ids, images=request.images)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         if token in request.stop_token_ids and len(request.output_token_ids) >= request.params.min_tokens:
