@@ -31,15 +31,14 @@ async def unless_down(aw: Awaitable[T], down: asyncio.Future[Any] | asyncio.Even
     step = asyncio.ensure_future(aw)
     try:
         done, _ = await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # our own caller cancelled: the instance's call goes too
-        step.cancel()
-        raise
     finally:
         if isinstance(down, asyncio.Event):
             waiter.cancel()
+        if not step.done():  # the instance went down, or our own caller was cancelled: the call goes too
+            step.cancel()
+            await asyncio.wait({step})  # its clean-up (closing the connection) runs before we go on
     if step in done:
         return step.result()
-    step.cancel()
     raise InstanceDown
 
 
