@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per size (default 5; plus a warm-up)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout (the --json output)
     sizes = [parse_size(size) for size in args.sizes.split(",")]
     figures, skipped = measure(args.transports.split(","), sizes, args.rounds)
     figures.sort(key=lambda figure: (figure.size_bytes, -figure.fetch_gbps))

@@ -4,19 +4,23 @@ The producer writes each published payload once into its own segment (`/dev/shm/
 front so a full /dev/shm is a fallback to TCP, not a SIGBUS); a consumer on the same host LENDs it over the TCP
 control server (tcp.py), maps the segment read-only, copies it out and RELEASEs it, and the producer unlinks it. The
 producer unlinks a segment whatever happens: on RELEASE, when the borrowing connection closes (a consumer that died
-mid-read), when it is idle past the ttl (a stalled consumer), on expiry, and on close; if the producer itself is
-killed, multiprocessing's resource tracker unlinks its segments. A consumer on another host, or one that cannot
-open the segment (another /dev/shm namespace), gets the bytes over the same connection instead.
+mid-read), when it is idle past the ttl (a stalled consumer), on expiry, and on close. A producer that is killed
+leaves its segments behind; each producer holds an flock on an owner file in /dev/shm while it lives, and the next
+producer to start on the host unlinks the segments of every owner whose lock is free (dead, in whatever pid
+namespace), as does multiprocessing's resource tracker when the process tree that started the producer ends. A
+consumer on another host, or one that cannot open the segment (another /dev/shm namespace), gets the bytes over
+the same connection instead.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import struct
 import uuid
 from multiprocessing import shared_memory
-from typing import cast
+from typing import Any, cast
 
 from deltaserve.kvtransfer.address import is_local_host, parse_address
 from deltaserve.kvtransfer.buffers import ReceiveBuffer
@@ -31,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "dskvt-"
+_OWNER = "owner"
 _DESCRIPTOR = struct.Struct("<Q")  # payload length, then the segment name
 
 
@@ -39,10 +44,21 @@ class ShmTransferServer(TcpTransferServer):
 
     SCHEME = "shm+tcp"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._owner = _Owner() if os.path.isdir(SHM_DIR) else None
+        if self._owner is not None:
+            unlink_orphans()
+        super().__init__(*args, **kwargs)
+
+    def close(self) -> None:
+        super().close()
+        if self._owner is not None:
+            self._owner.close()
+
     def _hold(self, payload: bytes) -> Held:
-        if not payload or not os.path.isdir(SHM_DIR):
+        if not payload or self._owner is None:
             return Held(payload)
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        name = f"{self._owner.prefix}{uuid.uuid4().hex[:16]}"
         try:
             segment = shared_memory.SharedMemory(name=name, create=True, size=len(payload))
         except OSError as exc:
@@ -129,3 +145,54 @@ def _reserve(name: str, nbytes: int) -> None:
         finally:
             os.close(fd)
 
+
+class _Owner:
+    """A producer's claim on its segments (all named `prefix...`): an owner file it holds an flock on while alive.
+    The kernel drops the lock when the process dies, however it dies."""
+
+    def __init__(self) -> None:
+        self.prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self._path = os.path.join(SHM_DIR, self.prefix + _OWNER)
+        claiming = self._path + ".new"  # locked before it gets the name sweepers look for
+        self._fd = os.open(claiming, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.rename(claiming, self._path)
+
+    def close(self) -> None:
+        """Gives the claim up (idempotent)."""
+        if self._fd < 0:
+            return
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = -1
+
+
+def unlink_orphans() -> list[str]:
+    """Unlinks the segments of producers that died without closing (their owner file's lock is free); returns
+    the names unlinked."""
+    unlinked = []
+    names = os.listdir(SHM_DIR)
+    for owner in (name for name in names if name.startswith(SEGMENT_PREFIX) and name.endswith("-" + _OWNER)):
+        try:
+            fd = os.open(os.path.join(SHM_DIR, owner), os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # its producer is alive
+        prefix = owner[:-len(_OWNER)]
+        for name in [name for name in names if name.startswith(prefix)]:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                unlinked.append(name)
+            except FileNotFoundError:
+                pass
+        os.close(fd)
+    if unlinked:
+        logger.warning("kv transfer: unlinked %d shared-memory files of dead producers", len(unlinked))
+    return unlinked

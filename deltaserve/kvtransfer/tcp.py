@@ -51,7 +51,8 @@ class TcpTransferServer:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._held = HeldPayloads(max_bytes, ttl_s, clock)
         self._idle_timeout_s = ttl_s
-        self._listener = socket.create_server((host, port), backlog=128)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
         self._host = _advertised_host(host)
         self._port = int(self._listener.getsockname()[1])
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the listener through it

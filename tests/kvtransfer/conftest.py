@@ -137,8 +137,10 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
     return True
 
 
-def segments(pid: int) -> list[str]:
-    """The transfer segments process `pid` has in /dev/shm."""
+def segments(pid: int, owner_files: bool = False) -> list[str]:
+    """The transfer segments process `pid` has in /dev/shm (with its owner files if asked)."""
+    if not os.path.isdir("/dev/shm"):
+        return []
     prefix = f"dskvt-{pid}-"
-    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix)) if os.path.isdir(
-        "/dev/shm") else []
+    return sorted(name for name in os.listdir("/dev/shm")
+                  if name.startswith(prefix) and (owner_files or not name.endswith("-owner")))

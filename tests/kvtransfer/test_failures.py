@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.kvtransfer.conftest import TRANSPORTS, client_for, start_producer
+from deltaserve.kvtransfer.shm import unlink_orphans
+from tests.kvtransfer.conftest import TRANSPORTS, client_for, segments, start_producer
 
 TIMEOUT_S = 1.5
 SLACK_S = 5.0
@@ -62,6 +63,10 @@ def test_producer_killed_mid_transfer_fetch_returns_none(transport: str, fault: 
         thread.join(60.0)
         assert not thread.is_alive(), "fetch hung after the producer died"
         assert result[0] is None
+        if transport == "shm":  # the next producer on the host unlinks a killed producer's segments
+            assert producer.process.pid is not None and segments(producer.process.pid) != []
+            unlink_orphans()
+            assert segments(producer.process.pid, owner_files=True) == []
     finally:
         producer.kill()
 

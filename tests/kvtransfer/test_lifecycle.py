@@ -88,7 +88,7 @@ def test_close_frees_everything(transport: str) -> None:
     server.close()
     server.close()  # idempotent
     assert len(server.held) == 0 and server.held.held_bytes == 0
-    assert segments(os.getpid()) == []
+    assert segments(os.getpid(), owner_files=True) == []
     assert TcpTransferClient().fetch(address, "c0", 5.0) is None
     server.publish("after-close", b"z" * 10)  # dropped, never held
     assert len(server.held) == 0 and segments(os.getpid()) == []
