@@ -28,6 +28,7 @@ from deltaserve.chat.grammar import (
     lark_str,
     token_rule,
 )
+from deltaserve.chat.media import IMAGE_KIND, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, interleave, media_ids
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.sampling_params import StructuredOutput
 from deltaserve.text.tokenizer import Tokenizer
@@ -138,10 +139,25 @@ class KimiK2Format(ChatFormat):
                     parts += [call.arguments, ids["<|tool_call_end|>"]]
                 parts.append(ids["<|tool_calls_section_end|>"])
         elif message.role == "tool":
-            parts.append(f"## Return of {message.tool_call_id or ''}\n{message.content}")
+            parts.append(f"## Return of {message.tool_call_id or ''}\n")
+            parts += self._content(message)
         else:
-            parts.append(message.content)
+            parts += self._content(message)
         parts.append(ids["<|im_end|>"])
+        return parts
+
+    def _content(self, message: ChatMessage) -> list[Part]:
+        """The message text with its images' media markers and placeholders in place."""
+        if not message.images:
+            return [message.content]
+        media = media_ids(self.tokenizer.special_tokens)
+        parts: list[Part] = []
+        for piece in interleave(message.content, message.images):
+            if isinstance(piece, str):
+                parts.append(piece)
+            else:
+                parts += [media[MEDIA_BEGIN], IMAGE_KIND, media[MEDIA_CONTENT]]
+                parts += [media[MEDIA_PAD]] * piece.num_tokens + [media[MEDIA_END]]
         return parts
 
     def _encode(self, parts: list[Part], max_tokens: int | None) -> list[int]:

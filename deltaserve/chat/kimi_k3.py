@@ -3,18 +3,19 @@
 Follows NVIDIA-NeMo/Automodel `nemo_automodel/components/models/kimi_k3/encoding.py` (`build_chat_segments`) and
 `tokenization.py` (`apply_chat_template`, which defaults `thinking_effort` to "max"): message order, segment
 boundaries, attribute escaping, typed arguments, tool results re-sorted into call order, the internal system
-messages. Not supported here: image parts, and system messages that carry their own `tools` (the "New Tools
-Available" declaration), since `ChatMessage` has neither.
+messages. Images in user and tool messages render as the K2.5 media markers (`chat/media.py`). Not supported here:
+system messages that carry their own `tools` (the "New Tools Available" declaration), which `ChatMessage` lacks.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deltaserve.chat import xtml
 from deltaserve.chat.format import ChatFormat, check_length, deep_sort, encode_text
+from deltaserve.chat.media import IMAGE_KIND, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, interleave, media_ids
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.chat.xtml_grammar import answer_grammar, tool_call_grammar
 from deltaserve.parsers.types import ToolCall
@@ -141,9 +142,9 @@ class KimiK3Format(ChatFormat):
                         "a Kimi K3 tool message needs a resolvable tool name: set name, or a tool_call_id matching "
                         "a call of the preceding assistant message"
                     )
-                doc.message([("role", "tool"), ("tool", tool), ("index", tool_index)], message.content)
+                _message(doc, [("role", "tool"), ("tool", tool), ("index", tool_index)], message)
             else:
-                doc.message(_with_name([("role", message.role)], message), message.content)
+                _message(doc, _with_name([("role", message.role)], message), message)
 
     @staticmethod
     def _assistant_body(doc: xtml.Segments, message: ChatMessage, thinking: bool) -> None:
@@ -178,7 +179,8 @@ class KimiK3Format(ChatFormat):
         ids: list[int] = []
         for text, special in doc.items:
             if special:
-                ids.append(self.special_ids[text])
+                ids.append(self.special_ids[text] if text in self.special_ids else media_ids(
+                    self.tokenizer.special_tokens)[text])
             else:
                 ids += encode_text(self.tokenizer, text, used=len(ids), max_tokens=max_tokens)
         return check_length(ids, max_tokens)
@@ -201,6 +203,26 @@ class KimiK3Format(ChatFormat):
         from deltaserve.parsers.kimi_k3 import KimiK3Parser  # lazy: the parsers need not exist to render
 
         return KimiK3Parser(tokenizer, thinking=thinking, tools=tools)
+
+
+def _message(doc: xtml.Segments, attrs: list[tuple[str, Any]], message: ChatMessage) -> None:
+    """A whole message; its images as media markers around their placeholder tokens, where they sit in the text."""
+    if not message.images:
+        doc.message(attrs, message.content)
+        return
+    doc.open("message", attrs)
+    for piece in interleave(message.content, message.images):
+        if isinstance(piece, str):
+            doc.text(piece)
+        else:
+            doc.control(MEDIA_BEGIN)
+            doc.text(IMAGE_KIND)
+            doc.control(MEDIA_CONTENT)
+            for _ in range(piece.num_tokens):
+                doc.control(MEDIA_PAD)
+            doc.control(MEDIA_END)
+    doc.close("message")
+    doc.control(xtml.END_OF_MSG)
 
 
 def _with_name(attrs: list[tuple[str, str]], message: ChatMessage) -> list[tuple[str, str]]:

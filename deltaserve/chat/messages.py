@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from deltaserve.chat.media import ImageSlot, check_slots
 from deltaserve.parsers.types import ToolCall
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -29,6 +30,8 @@ class ChatMessage:
     """Assistant history: the calls the assistant made, in emission order."""
     tool_call_id: str | None = None
     """role == "tool": the id of the call this message is the result of."""
+    images: tuple[ImageSlot, ...] = ()
+    """User and tool messages: images placed in the content (rendered as media markers around placeholders)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -40,6 +43,10 @@ class ChatMessage:
             raise ValueError("message tool_calls must be ToolCall values")
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r}")
+        object.__setattr__(self, "images", tuple(self.images))
+        if self.images and self.role not in ("user", "tool"):
+            raise ValueError(f"only user and tool messages carry images, not {self.role!r}")
+        check_slots(self.content, self.images)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -52,6 +52,7 @@ from deltaserve.engine.messages import (
 )
 from deltaserve.engine.protocol import EngineDeadError, EngineRequestError
 from deltaserve.engine.stats import EngineStats
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
 
@@ -185,7 +186,7 @@ class AsyncEngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
-                       kv_transfer_params: dict[str, Any] | None = None
+                       kv_transfer_params: dict[str, Any] | None = None, images: tuple[ImageInput, ...] = ()
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Add a request (when iteration starts) and yield one output per engine step that produced tokens for it,
         until the one with `finish_reason` set. `session_id` (a routing hint) is ignored: there is one engine.
@@ -202,7 +203,8 @@ class AsyncEngineClient:
         try:
             message = self._encoder.encode(AddRequest(
                 request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-                eos_token_ids=eos_token_ids, priority=priority, kv_transfer_params=kv_transfer_params))
+                eos_token_ids=eos_token_ids, priority=priority, kv_transfer_params=kv_transfer_params,
+                images=list(images)))
         except (OverflowError, UnicodeEncodeError, TypeError) as exc:  # a value the wire cannot carry
             raise EngineRequestError(f"the request cannot be sent to the engine: {exc}") from exc
         queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()

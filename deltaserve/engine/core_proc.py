@@ -239,7 +239,7 @@ class EngineProc:
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params,
                                   eos_token_ids=msg.eos_token_ids, priority=msg.priority,
-                                  kv_transfer_params=msg.kv_transfer_params)
+                                  kv_transfer_params=msg.kv_transfer_params, images=tuple(msg.images))
         except ValueError as e:
             self.reject(msg.request_id, str(e))
         except Exception as e:  # a bug for this request only: report it and keep serving the others

@@ -35,6 +35,7 @@ from deltaserve.engine.dp_router import Router
 from deltaserve.engine.messages import EngineCoreOutput, EngineInfo
 from deltaserve.engine.protocol import EngineDeadError
 from deltaserve.engine.stats import EngineStats
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.utils.cpu_threads import default_num_threads
@@ -143,7 +144,7 @@ class DPEngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
-                       kv_transfer_params: dict[str, Any] | None = None
+                       kv_transfer_params: dict[str, Any] | None = None, images: tuple[ImageInput, ...] = ()
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Route the request (when iteration starts) and stream it from its replica; the protocol's contract.
         EngineDeadError when every replica is dead, or when the request's replica dies while it runs."""
@@ -162,7 +163,7 @@ class DPEngineClient:
         try:
             outputs = self.replicas[index].generate(request_id, prompt_token_ids, params,
                                                     eos_token_ids=eos_token_ids, priority=priority,
-                                                    kv_transfer_params=kv_transfer_params)
+                                                    kv_transfer_params=kv_transfer_params, images=images)
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     if record:

@@ -25,6 +25,7 @@ from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.protocol import EngineDeadError, EngineRequestError
 from deltaserve.engine.stats import EngineStats
 from deltaserve.executor.base import WorkerDiedError
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
 
@@ -77,7 +78,7 @@ class InprocEngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
-                       kv_transfer_params: dict[str, Any] | None = None
+                       kv_transfer_params: dict[str, Any] | None = None, images: tuple[ImageInput, ...] = ()
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Add a request to the core (when iteration starts: between two steps) and yield its outputs, as
         `EngineClient.generate` says (`session_id`, a routing hint, is ignored). A request the core refuses raises
@@ -89,7 +90,7 @@ class InprocEngineClient:
             raise ValueError(f"request_id {request_id!r} is already in use")
         try:
             self.core.add_request(request_id, prompt_token_ids, params, eos_token_ids=eos_token_ids,
-                                  priority=priority, kv_transfer_params=kv_transfer_params)
+                                  priority=priority, kv_transfer_params=kv_transfer_params, images=images)
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from exc
         self._prompt_tokens += len(prompt_token_ids)

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from deltaserve.engine.stats import EngineStats
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
@@ -54,6 +55,8 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     """Prefill/decode disaggregation (vLLM's field): `{"do_remote_decode": true}` on a prefill instance, or the
     object a prefill instance returned, on a decode instance."""
+    images: list[ImageInput] = []
+    """The prompt's preprocessed images (msgpack-native: the pixels travel as one bin field each)."""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, kw_only=True):

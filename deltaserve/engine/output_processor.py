@@ -22,6 +22,7 @@ import msgspec
 
 from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.protocol import EngineClient
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.parsers.types import OutputParser, ParsedDelta
 from deltaserve.request import FinishReason
@@ -178,32 +179,34 @@ class OutputProcessor:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        make_processor: Callable[[SamplingParams], SequenceProcessor], *, priority: int = 0,
-                       session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None
-                       ) -> AsyncGenerator[SequenceUpdate, None]:
+                       session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
+                       images: tuple[ImageInput, ...] = ()) -> AsyncGenerator[SequenceUpdate, None]:
         """Run the `params.n` sequences of a request; yield their updates as they come, each sequence's last one
         with a reason. The client's errors propagate (the first one ends every sequence); closing the iterator
-        early aborts the sequences still running. `session_id`: the client's routing hint (protocol.py)."""
+        early aborts the sequences still running. `session_id`: the client's routing hint (protocol.py);
+        `images`: the prompt's preprocessed images."""
         seqs = self.sequences(request_id, prompt_ids, params, make_processor)
         if len(seqs) == 1:
-            async with contextlib.aclosing(self.stream(seqs[0], prompt_ids, priority=priority, session_id=session_id,
-                                                       kv_transfer_params=kv_transfer_params)) as updates:
+            one = self.stream(seqs[0], prompt_ids, priority=priority, session_id=session_id,
+                              kv_transfer_params=kv_transfer_params, images=images)
+            async with contextlib.aclosing(one) as updates:
                 async for update in updates:
                     yield update
             return
         async with contextlib.aclosing(merge([self.stream(s, prompt_ids, priority=priority, session_id=session_id,
-                                                          kv_transfer_params=kv_transfer_params)
+                                                          kv_transfer_params=kv_transfer_params, images=images)
                                               for s in seqs])) as all_:
             async for _, update in all_:
                 yield update
 
     async def stream(self, seq: SequenceState, prompt_ids: list[int], *, priority: int = 0,
-                     session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None
-                     ) -> AsyncGenerator[SequenceUpdate, None]:
+                     session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
+                     images: tuple[ImageInput, ...] = ()) -> AsyncGenerator[SequenceUpdate, None]:
         """Run one sequence: one update per engine output, until the one with a reason. A stop string aborts the
         engine request with FinishReason.STOP before the update that ends with it is yielded."""
         outputs = self.client.generate(seq.request_id, prompt_ids, seq.params, eos_token_ids=self.eos_token_ids,
                                        priority=priority, session_id=session_id,
-                                       kv_transfer_params=kv_transfer_params)
+                                       kv_transfer_params=kv_transfer_params, images=images)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 update = self._update(seq, out)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from deltaserve.engine.messages import EngineCoreOutput, EngineInfo
 from deltaserve.engine.stats import EngineStats
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
 
@@ -50,11 +51,11 @@ class EngineClient(Protocol):
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
-                 kv_transfer_params: dict[str, Any] | None = None
+                 kv_transfer_params: dict[str, Any] | None = None, images: tuple[ImageInput, ...] = ()
                  ) -> AsyncGenerator[EngineCoreOutput, None]:
         """Run one sequence; raises EngineRequestError (rejected or failed request), EngineDeadError (engine gone)
         and ValueError (n != 1, or a request id still in use). `kv_transfer_params`: prefill/decode
-        disaggregation (`EngineCore.add_request`)."""
+        disaggregation (`EngineCore.add_request`); `images`: the prompt's preprocessed images."""
         ...
 
     async def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:

@@ -12,12 +12,14 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from deltaserve.chat.media import ImageSlot
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.engine.output_processor import SequenceUpdate
 from deltaserve.entrypoints.anthropic.protocol import ContentBlock, CountTokensRequest, MessagesRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.frontend import Frontend, chat_processors
+from deltaserve.entrypoints.server.images import RequestImages
 from deltaserve.entrypoints.server.prompt import RenderedPrompt
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
@@ -37,8 +39,10 @@ def _block_text(blocks: str | list[ContentBlock] | None, param: str) -> str:
     return "".join(out)
 
 
-def to_chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
-    """Anthropic system + messages -> the renderers' neutral messages (tool_result blocks become tool messages)."""
+def to_chat_messages(body: CountTokensRequest, images: RequestImages | None = None) -> list[ChatMessage]:
+    """Anthropic system + messages -> the renderers' neutral messages (tool_result blocks become tool messages);
+    `image` blocks of user messages are decoded into `images` (a 400 naming the block when there is none or it is
+    bad)."""
     out = []
     if body.system:
         out.append(ChatMessage(role="system", content=_block_text(body.system, "system")))
@@ -47,10 +51,14 @@ def to_chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
             out.append(ChatMessage(role=m.role, content=m.content))
             continue
         texts, reasoning, calls = [], [], []
+        slots: list[ImageSlot] = []
         for j, b in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
             if b.type == "text" and b.text is not None:
                 texts.append(b.text)
+            elif b.type == "image" and m.role == "user" and images is not None:
+                slot = _image(b, where, images)
+                slots.append(ImageSlot(position=sum(map(len, texts)), num_tokens=slot.num_tokens))
             elif b.type == "tool_result" and m.role == "user":
                 if not b.tool_use_id:
                     raise bad_request(f"{where}: tool_result needs tool_use_id")
@@ -69,9 +77,19 @@ def to_chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
         if m.role == "assistant":
             out.append(ChatMessage(role="assistant", content="".join(texts), tool_calls=tuple(calls),
                                    reasoning="".join(reasoning) if reasoning else None))
-        elif texts:
-            out.append(ChatMessage(role="user", content="".join(texts)))
+        elif texts or slots:
+            out.append(ChatMessage(role="user", content="".join(texts), images=tuple(slots)))
     return out
+
+
+def _image(block: ContentBlock, where: str, images: RequestImages) -> ImageSlot:
+    source = block.source
+    if source is None:
+        raise bad_request(f"{where}: an image block needs a source", param=f"{where}.source")
+    if source.type != "base64" or source.data is None:
+        raise bad_request(f"{where}: only base64 image sources are supported (this server does not fetch URLs)",
+                          param=f"{where}.source")
+    return images.add_base64(source.data, param=f"{where}.source")
 
 
 def render_messages_prompt(frontend: Frontend, body: CountTokensRequest, max_tokens: int | None = None
@@ -112,7 +130,8 @@ def render_messages_prompt(frontend: Frontend, body: CountTokensRequest, max_tok
         raise bad_request("a prefilled assistant message cannot also be constrained by a forced tool call or an "
                           "output format")
     try:
-        prompt_ids = fmt.render(to_chat_messages(body), tools=tools, thinking=thinking,
+        images = RequestImages(frontend.images)
+        prompt_ids = fmt.render(to_chat_messages(body, images), tools=tools, thinking=thinking,
                                 tool_choice=choice if tc is not None else None, response_format=answer,
                                 add_generation_prompt=not prefill, continue_final_message=prefill,
                                 max_tokens=max_tokens)
@@ -121,7 +140,8 @@ def render_messages_prompt(frontend: Frontend, body: CountTokensRequest, max_tok
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     return RenderedPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
-                          answer=answer, tools_active=bool(tools) and choice != "none")
+                          answer=answer, tools_active=bool(tools) and choice != "none",
+                          images=images.place(prompt_ids))
 
 
 def _chars(blocks: str | list[ContentBlock] | None) -> int:
@@ -144,6 +164,7 @@ class MessagesPlan:
         fmt = frontend.chat_format
         prompt = render_messages_prompt(frontend, body, frontend.render_limit(None))
         self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
+        self.images = prompt.images
         if body.max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {body.max_tokens}")
         max_tokens = frontend.resolve_max_tokens(len(self.prompt_ids), body.max_tokens)
@@ -202,7 +223,8 @@ async def create_message(frontend: Frontend, body: MessagesRequest) -> dict[str,
     message_id = f"msg_{uuid.uuid4().hex}"
     acc = ChoiceAccumulator(1)
     async for update in frontend.generate(message_id, plan.prompt_ids, plan.params, plan.processors(frontend),
-                                          session_id=body.session_id(), kv_transfer_params=body.kv_transfer_params):
+                                          session_id=body.session_id(), kv_transfer_params=body.kv_transfer_params,
+                                          images=plan.images):
         acc.add(update)
     c = acc.choices[0]
     content: list[dict[str, Any]] = []
@@ -235,7 +257,8 @@ async def create_message_stream(frontend: Frontend, body: MessagesRequest) -> As
     message_id = f"msg_{uuid.uuid4().hex}"
     stream = frontend.stream(message_id, frontend.generate(message_id, plan.prompt_ids, plan.params,
                                                            plan.processors(frontend), session_id=body.session_id(),
-                                                           kv_transfer_params=body.kv_transfer_params))
+                                                           kv_transfer_params=body.kv_transfer_params,
+                                                           images=plan.images))
     return _events(frontend, plan, message_id, stream)
 
 

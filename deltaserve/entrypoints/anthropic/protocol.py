@@ -34,6 +34,15 @@ class ContentBlock(_Model):
     tool_use_id: str | None = None
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
+    source: ImageSource | None = None
+    """An `image` block's data."""
+
+
+class ImageSource(_Model):
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
 
 
 class MessageParam(_Model):

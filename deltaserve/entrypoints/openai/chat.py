@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from deltaserve.chat.media import ImageSlot
 from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.chat.xtml import THINKING_EFFORTS
 from deltaserve.engine.output_processor import SequenceUpdate
@@ -25,21 +26,26 @@ from deltaserve.entrypoints.openai.protocol import (
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
 from deltaserve.entrypoints.server.frontend import Frontend, chat_processors
+from deltaserve.entrypoints.server.images import RequestImages
 from deltaserve.entrypoints.server.prompt import RenderedPrompt
 from deltaserve.parsers.types import ToolCall
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 from deltaserve.text.tokenizer import TokenLimitExceeded
 
 
-def to_chat_messages(messages: list[ChatMessageParam]) -> list[ChatMessage]:
-    """OpenAI messages -> the renderers' neutral messages; 400 for content this server cannot render."""
+def to_chat_messages(messages: list[ChatMessageParam], images: RequestImages | None = None) -> list[ChatMessage]:
+    """OpenAI messages -> the renderers' neutral messages; 400 for content this server cannot render. `image_url`
+    parts of user messages are decoded into `images` (a 400 naming the part when there is none or it is bad)."""
     out = []
     for i, m in enumerate(messages):
         if m.content is None and m.role != "assistant":  # the spec makes content required (and not null) but there
             raise bad_request(f"a {m.role} message needs content (a string or a list of content parts)",
                               param=f"messages.{i}.content")
-        content = _text(m.content, param=f"messages.{i}.content")
-        if m.role == "tool":
+        content, slots = _content(m.content, param=f"messages.{i}.content",
+                                  images=images if m.role == "user" else None)
+        if slots:
+            out.append(ChatMessage(role="user", content=content, name=m.name, images=slots))
+        elif m.role == "tool":
             if not m.tool_call_id:
                 raise bad_request("a tool message needs tool_call_id", param=f"messages.{i}.tool_call_id")
             out.append(ChatMessage(role="tool", content=content, tool_call_id=m.tool_call_id, name=m.name))
@@ -53,16 +59,25 @@ def to_chat_messages(messages: list[ChatMessageParam]) -> list[ChatMessage]:
     return out
 
 
-def _text(content: Any, *, param: str) -> str:
+def _content(content: Any, *, param: str, images: RequestImages | None) -> tuple[str, tuple[ImageSlot, ...]]:
+    """The text of a message's content and, with `images` (user messages), its image parts placed in it."""
     if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
+        return content or "", ()
+    parts: list[str] = []
+    slots: list[ImageSlot] = []
     for j, part in enumerate(content):
+        if part.type == "image_url" and images is not None:
+            if part.image_url is None or not part.image_url.url:
+                raise bad_request("an image_url part needs image_url.url", param=f"{param}.{j}.image_url")
+            slot = images.add_data_url(part.image_url.url, param=f"{param}.{j}.image_url")
+            slots.append(ImageSlot(position=sum(map(len, parts)), num_tokens=slot.num_tokens))
+            continue
         if part.type != "text" or part.text is None:
-            raise bad_request(f"content part type {part.type!r} is not supported (only 'text')",
+            supported = "'text' and 'image_url'" if images is not None else "'text'"
+            raise bad_request(f"content part type {part.type!r} is not supported here (only {supported})",
                               param=f"{param}.{j}.type")
         parts.append(part.text)
-    return "".join(parts)
+    return "".join(parts), tuple(slots)
 
 
 def prompt_chars(messages: list[ChatMessageParam]) -> int:
@@ -128,7 +143,8 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, max_toke
     try:
         # The format declares what the request set in the prompt as its template does (K3: internal messages;
         # "none" only when the client sent it); vLLM's structured_outputs only constrain the sampler.
-        prompt_ids = fmt.render(to_chat_messages(body.messages), tools=tools, thinking=thinking,
+        images = RequestImages(frontend.images)
+        prompt_ids = fmt.render(to_chat_messages(body.messages, images), tools=tools, thinking=thinking,
                                 add_generation_prompt=body.add_generation_prompt,
                                 tool_choice=choice if body.tool_choice is not None else None,
                                 response_format=declared, thinking_effort=effort,
@@ -139,7 +155,8 @@ def render_chat_prompt(frontend: Frontend, body: ChatCompletionRequest, max_toke
         param = "continue_final_message" if body.continue_final_message else "messages"
         raise bad_request(str(exc), param=param) from exc
     return RenderedPrompt(prompt_ids=prompt_ids, tools=tools, forced=forced, forcing=forcing, thinking=thinking,
-                      answer=answer, tools_active=bool(tools) and choice != "none")
+                          answer=answer, tools_active=bool(tools) and choice != "none",
+                          images=images.place(prompt_ids))
 
 
 class ChatPlan:
@@ -149,6 +166,10 @@ class ChatPlan:
         fmt = frontend.chat_format
         prompt = render_chat_prompt(frontend, body, frontend.render_limit(body.truncate_prompt_tokens))
         self.prompt_ids, self.thinking, self.tools_active = prompt.prompt_ids, prompt.thinking, prompt.tools_active
+        self.images = prompt.images
+        if body.truncate_prompt_tokens is not None and self.images:
+            raise bad_request("truncate_prompt_tokens cannot be used with images (the cut could fall inside one)",
+                              param="truncate_prompt_tokens")
         if body.truncate_prompt_tokens is not None:
             self.prompt_ids = self.prompt_ids[-frontend.truncation(body.truncate_prompt_tokens):]
         self.show_reasoning = prompt.thinking and body.include_reasoning
@@ -205,7 +226,7 @@ async def chat_completion(frontend: Frontend, body: ChatCompletionRequest) -> di
     acc = ChoiceAccumulator(plan.params.n, hide_reasoning=plan.thinking and not plan.show_reasoning)
     stream = frontend.generate(request_id, plan.prompt_ids, plan.params, plan.processors(frontend),
                                priority=plan.priority, session_id=body.user,
-                               kv_transfer_params=body.kv_transfer_params)
+                               kv_transfer_params=body.kv_transfer_params, images=plan.images)
     async for update in stream:
         acc.add(update)
     choices = []
@@ -244,7 +265,8 @@ async def chat_completion_stream(frontend: Frontend, body: ChatCompletionRequest
     stream = frontend.stream(request_id, frontend.generate(request_id, plan.prompt_ids, plan.params,
                                                            plan.processors(frontend), priority=plan.priority,
                                                            session_id=body.user,
-                                                           kv_transfer_params=body.kv_transfer_params))
+                                                           kv_transfer_params=body.kv_transfer_params,
+                                                           images=plan.images))
     usage_mode = body.stream_options.usage_mode() if body.stream_options else None
     return _events(frontend, plan, request_id, stream, usage_mode)
 

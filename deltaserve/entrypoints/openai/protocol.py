@@ -218,9 +218,15 @@ class ToolCallParam(_Request):
     function: FunctionCall
 
 
+class ImageURL(_Request):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(_Request):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessageParam(_Request):

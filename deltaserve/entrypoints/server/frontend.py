@@ -29,8 +29,10 @@ from deltaserve.config import ServerConfig
 from deltaserve.engine.output_processor import ChatProcessor, OutputProcessor, SequenceProcessor, SequenceUpdate
 from deltaserve.engine.protocol import EngineClient, EngineDeadError, EngineRequestError
 from deltaserve.entrypoints.server.errors import ApiError, bad_request
+from deltaserve.entrypoints.server.images import ImageSupport
 from deltaserve.entrypoints.server.metrics import ServerMetrics
 from deltaserve.entrypoints.server.stream_buffer import bounded_stream
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.sampling_params import SamplingParams, StructuredOutput
 from deltaserve.structured.backend import StructuredOutputBackend
 from deltaserve.structured.schema_check import check_satisfiable
@@ -75,6 +77,8 @@ class Frontend:
                                    default=1)
         """UTF-8 bytes of the longest token: a text of C characters has at least C / this many tokens."""
         self._render_pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="render")
+        self.images = ImageSupport.from_model(model_root)
+        """How the model takes images (None: it has no vision tower, and image content is a 400)."""
 
     async def offload(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """`fn(*args, **kwargs)` in the render thread pool (prompt rendering, tokenizing, grammar validation), so
@@ -244,18 +248,18 @@ class Frontend:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        make_processor: Callable[[SamplingParams], SequenceProcessor], priority: int = 0,
-                       session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None
-                       ) -> AsyncGenerator[SequenceUpdate, None]:
+                       session_id: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
+                       images: tuple[ImageInput, ...] = ()) -> AsyncGenerator[SequenceUpdate, None]:
         """Run `params.n` sequences through the output processor; yield their updates as they come, each
         sequence's last one with a reason. `session_id` (the `X-Session-ID` header, OpenAI's `user`, Anthropic's
         `metadata.user_id`) keeps a conversation on one data-parallel replica. `kv_transfer_params`: prefill/decode
-        disaggregation (`EngineCore.add_request`).
+        disaggregation (`EngineCore.add_request`). `images`: the prompt's images (`RenderedPrompt.images`).
 
         Raises ApiError (400 for a request the engine rejects or fails, 503 when the engine died). Closing the
         iterator early aborts the sequences still running.
         """
         updates = self.output.generate(request_id, prompt_ids, params, make_processor, priority=priority,
-                                       session_id=session_id, kv_transfer_params=kv_transfer_params)
+                                       session_id=session_id, kv_transfer_params=kv_transfer_params, images=images)
         async with contextlib.aclosing(updates):
             try:
                 async for update in updates:

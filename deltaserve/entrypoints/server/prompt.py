@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltaserve.chat.messages import ToolSpec
+from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.sampling_params import StructuredOutput
 
 
@@ -23,3 +24,5 @@ class RenderedPrompt:
     """The response_format / structured_outputs / output_config.format constraint (never with forcing)."""
     tools_active: bool
     """Tools were offered and tool_choice is not "none": the output parser looks for calls."""
+    images: tuple[ImageInput, ...] = ()
+    """The conversation's images on their placeholder runs of `prompt_ids`."""

@@ -1,0 +1,102 @@
+"""Image content of API requests: base64 data (OpenAI `image_url` data URLs, Anthropic base64 `image` sources)
+decoded and preprocessed in the API process, each bad image a 400 naming its content part, and the images placed on
+the rendered prompt's placeholder runs (`ImageInput`s for the engine)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltaserve.chat.media import ImageSlot
+from deltaserve.config import ModelConfig
+from deltaserve.entrypoints.server.errors import bad_request
+from deltaserve.multimodal import (
+    DEFAULT_MAX_PIXELS,
+    ImageError,
+    ImageProcessingConfig,
+    ProcessedImage,
+    load_image,
+    preprocess_image,
+)
+from deltaserve.multimodal.inputs import ImageInput
+
+_DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSupport:
+    """What the served model needs of an image: its tower's preprocessing and its placeholder token."""
+
+    processing: ImageProcessingConfig
+    placeholder_id: int
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    """Images with more pixels (width * height, read from the header) are refused before decoding."""
+
+    @classmethod
+    def from_model(cls, model_root: str) -> ImageSupport | None:
+        """The support of the checkpoint at `model_root`; None when it has no vision tower (or no path is known)."""
+        if not model_root or not (Path(model_root) / "config.json").is_file():
+            return None
+        vision = ModelConfig.from_pretrained(model_root).vision
+        if vision is None:
+            return None
+        return cls(ImageProcessingConfig.for_vision(vision), vision.media_placeholder_token_id)
+
+
+class RequestImages:
+    """One request's images, in the order the conversation holds them."""
+
+    def __init__(self, support: ImageSupport | None) -> None:
+        self.support = support
+        self.images: list[ProcessedImage] = []
+
+    def add_data_url(self, url: str, *, param: str) -> ImageSlot:
+        """An OpenAI `image_url.url`: only `data:<type>;base64,` URLs are fetched (remote and file URLs are not)."""
+        match = _DATA_URL.match(url)
+        if match is None:
+            if url.lower().startswith(("http://", "https://", "file:")):
+                raise bad_request("only base64 data URLs (data:image/png;base64,...) are supported for images; this "
+                                  "server does not fetch http(s) or file URLs", param=param)
+            raise bad_request("image_url.url must be a base64 data URL (data:image/png;base64,...)", param=param)
+        return self.add_base64(url[match.end():], param=param)
+
+    def add_base64(self, data: str, *, param: str) -> ImageSlot:
+        """Base64 image bytes (PNG, JPEG, WebP or GIF): decoded and preprocessed now; the slot to place in the text
+        of its message (its position is set by the caller)."""
+        if self.support is None:
+            raise bad_request("this model has no vision tower: it cannot take images", param=param)
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise bad_request(f"image data is not valid base64 ({exc})", param=param) from None
+        try:
+            loaded = load_image(raw, self.support.max_pixels)
+            image = preprocess_image(loaded, self.support.processing)
+        except ImageError as exc:
+            raise bad_request(f"bad image ({exc.kind}): {exc}", param=param, code=exc.kind) from None
+        self.images.append(image)
+        return ImageSlot(position=0, num_tokens=image.num_tokens)
+
+    def place(self, prompt_ids: list[int]) -> tuple[ImageInput, ...]:
+        """The images on the prompt's runs of placeholder tokens, in order (the chat formats emit one run per image
+        and client text cannot hold the special token); ValueError when they do not match (a format bug)."""
+        if not self.images:
+            return ()
+        assert self.support is not None
+        pad, runs, i = self.support.placeholder_id, [], 0
+        while i < len(prompt_ids):
+            if prompt_ids[i] == pad:
+                start = i
+                while i < len(prompt_ids) and prompt_ids[i] == pad:
+                    i += 1
+                runs.append((start, i - start))
+            else:
+                i += 1
+        if [n for _, n in runs] != [image.num_tokens for image in self.images]:
+            raise ValueError(f"the prompt's placeholder runs {[n for _, n in runs]} do not match its images' token "
+                             f"counts {[image.num_tokens for image in self.images]}")
+        return tuple(ImageInput.from_processed(image, start) for image, (start, _) in zip(self.images, runs,
+                                                                                            strict=True))
