@@ -46,6 +46,7 @@ class ShmTransferServer(TcpTransferServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._owner = _Owner() if os.path.isdir(SHM_DIR) else None
+        self._fell_back = False
         if self._owner is not None:
             unlink_orphans()
         super().__init__(*args, **kwargs)
@@ -55,6 +56,14 @@ class ShmTransferServer(TcpTransferServer):
         if self._owner is not None:
             self._owner.close()
 
+    def _fall_back(self, why: str) -> None:
+        """Logs, once per server, that payloads are held in process memory and sent over TCP (a small /dev/shm,
+        as containers have by default, would otherwise log on every publish)."""
+        if not self._fell_back:
+            self._fell_back = True
+            logger.warning("kv transfer: %s: payloads that do not fit are held in process memory and sent over TCP "
+                           "(logged once)", why)
+
     def _hold(self, payload: bytes) -> Held:
         if not payload or self._owner is None:
             return Held(payload)
@@ -62,15 +71,14 @@ class ShmTransferServer(TcpTransferServer):
         try:
             segment = shared_memory.SharedMemory(name=name, create=True, size=len(payload))
         except OSError as exc:
-            logger.warning("kv transfer: no shared-memory segment for %d bytes (%s): sent over TCP", len(payload), exc)
+            self._fall_back(f"no shared-memory segment for {len(payload)} bytes ({exc})")
             return Held(payload)
         try:
             _reserve(name, len(payload))
         except OSError as exc:
             segment.close()
             segment.unlink()
-            logger.warning("kv transfer: no room for %d bytes in %s (%s): held in process memory, sent over TCP",
-                           len(payload), SHM_DIR, exc)
+            self._fall_back(f"no room for {len(payload)} bytes in {SHM_DIR} ({exc})")
             return Held(payload)
         view = cast(memoryview, segment.buf)[:len(payload)]  # None only after close
         view[:] = payload

@@ -152,3 +152,39 @@ def test_server_survives_garbage_and_keeps_serving() -> None:
         assert TcpTransferClient().fetch(server.address, "ok", 5.0) == b"fine"
     finally:
         server.close()
+
+
+def test_shm_full_falls_back_to_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No room in /dev/shm (a container's small default): the payload is held in memory and still arrives."""
+    from deltaserve.kvtransfer import shm
+
+    def full(name: str, nbytes: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm, "_reserve", full)
+    server = shm.ShmTransferServer("127.0.0.1", 0, max_bytes=64 * MIB, ttl_s=600.0)
+    try:
+        server.publish("big", b"q" * (2 * MIB))
+        assert segments(os.getpid()) == []
+        assert shm.ShmTransferClient().fetch(server.address, "big", 10.0) == b"q" * (2 * MIB)
+    finally:
+        server.close()
+
+
+def test_segment_unreadable_by_the_consumer_comes_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer that cannot open the segment (another /dev/shm namespace) gets the lent bytes over TCP, and
+    the producer still unlinks the segment."""
+    from deltaserve.kvtransfer import shm
+
+    def elsewhere(name: str, nbytes: int) -> bytes:
+        raise FileNotFoundError(name)
+
+    monkeypatch.setattr(shm, "read_segment", elsewhere)
+    server = shm.ShmTransferServer("127.0.0.1", 0, max_bytes=64 * MIB, ttl_s=600.0)
+    try:
+        server.publish("ns", b"n" * MIB)
+        assert len(segments(os.getpid())) == 1
+        assert shm.ShmTransferClient().fetch(server.address, "ns", 10.0) == b"n" * MIB
+        assert wait_until(lambda: segments(os.getpid()) == [])
+    finally:
+        server.close()
