@@ -29,17 +29,28 @@ async def unless_down(aw: Awaitable[T], down: asyncio.Future[Any] | asyncio.Even
     """`aw`'s result, or InstanceDown as soon as `down` is set or done (then `aw` is cancelled)."""
     waiter = asyncio.ensure_future(down.wait()) if isinstance(down, asyncio.Event) else down
     step = asyncio.ensure_future(aw)
+    # Its outcome may go unread: when our caller is cancelled as the call ends (a client that leaves right after a
+    # stream's last event), or when the call ends before its cancel lands.
+    step.add_done_callback(_discard_outcome)
     try:
         done, _ = await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if isinstance(down, asyncio.Event):
             waiter.cancel()
         if not step.done():  # the instance went down, or our own caller was cancelled: the call goes too
+            # Not awaited: inside a cancelled anyio scope (a stream whose client left) every await is cancelled
+            # again. The loop holds the task until its clean-up (closing the connection) has run.
             step.cancel()
-            await asyncio.wait({step})  # its clean-up (closing the connection) runs before we go on
     if step in done:
         return step.result()
     raise InstanceDown
+
+
+def _discard_outcome(task: asyncio.Future[Any]) -> None:
+    """Mark a call's exception as seen (asyncio logs an exception never retrieved; a caller that still waits gets
+    it all the same)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def relayed_headers(upstream: httpx.Response) -> dict[str, str]:
