@@ -92,7 +92,8 @@ def test_chunked_prefill_that_splits_the_image_batched_with_text(k3_path, placeh
     """A small token budget splits the image over several steps (chunks starting and ending inside it); text-only
     requests run in the same steps; outputs equal the unchunked, unbatched run."""
     engine = core(k3_path, budget=budget, prefix=False)
-    requests = {name: (image_prompt(placeholder, im), (im,)) for name, im in images.items()}
+    requests: dict[str, tuple[list[int], tuple[ImageInput, ...]]] = {
+        name: (image_prompt(placeholder, im), (im,)) for name, im in images.items()}
     requests["text"] = (prompt_ids(1000, 30, seed=9), ())
     got = run(engine, requests)
     assert {k: got[k] for k in alone} == alone

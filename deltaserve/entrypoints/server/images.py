@@ -58,25 +58,27 @@ class RequestImages:
         match = _DATA_URL.match(url)
         if match is None:
             if url.lower().startswith(("http://", "https://", "file:")):
-                raise bad_request("only base64 data URLs (data:image/png;base64,...) are supported for images; this "
-                                  "server does not fetch http(s) or file URLs", param=param)
-            raise bad_request("image_url.url must be a base64 data URL (data:image/png;base64,...)", param=param)
+                raise bad_request(f"{param}: only base64 data URLs (data:image/png;base64,...) are supported for "
+                                  "images; this server does not fetch http(s) or file URLs", param=param)
+            raise bad_request(f"{param}: image_url.url must be a base64 data URL (data:image/png;base64,...)",
+                              param=param)
         return self.add_base64(url[match.end():], param=param)
 
     def add_base64(self, data: str, *, param: str) -> ImageSlot:
         """Base64 image bytes (PNG, JPEG, WebP or GIF): decoded and preprocessed now; the slot to place in the text
-        of its message (its position is set by the caller)."""
+        of its message (its position is set by the caller). Errors name `param` in the message too (Anthropic's
+        error body has no param field)."""
         if self.support is None:
-            raise bad_request("this model has no vision tower: it cannot take images", param=param)
+            raise bad_request(f"{param}: this model has no vision tower: it cannot take images", param=param)
         try:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as exc:
-            raise bad_request(f"image data is not valid base64 ({exc})", param=param) from None
+            raise bad_request(f"{param}: image data is not valid base64 ({exc})", param=param) from None
         try:
             loaded = load_image(raw, self.support.max_pixels)
             image = preprocess_image(loaded, self.support.processing)
         except ImageError as exc:
-            raise bad_request(f"bad image ({exc.kind}): {exc}", param=param, code=exc.kind) from None
+            raise bad_request(f"{param}: bad image ({exc.kind}): {exc}", param=param, code=exc.kind) from None
         self.images.append(image)
         return ImageSlot(position=0, num_tokens=image.num_tokens)
 
