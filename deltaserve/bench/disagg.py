@@ -74,7 +74,7 @@ def _engine(model: str, args: DisaggBenchArgs, role: str | None, connector: str)
     kv = None if role is None else KVTransferConfig(kv_connector=connector, kv_role=role)
     return EngineCore(EngineConfig(
         model=model, dtype=args.dtype, kv_transfer_config=kv,
-        cache=CacheConfig(block_size=args.block_size, cache_memory="4GiB", host_cache_memory="4GiB"),
+        cache=CacheConfig(block_size=args.block_size, cache_memory="512MiB", host_cache_memory="256MiB"),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens)))
 
 

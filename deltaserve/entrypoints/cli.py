@@ -1,4 +1,4 @@
-"""The `deltaserve` command: `serve`, `generate`, `make-tiny`, `quantize` and `bench`.
+"""The `deltaserve` command: `serve`, `generate`, `make-tiny`, `quantize`, `router`, `serve-disagg` and `bench`.
 
 This module is the composition root of the command line, so it may import any layer (lazily, per subcommand).
 """
@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         trace_replay,
     )
     from deltaserve.config import CacheConfig, ParallelConfig, SchedulerConfig, ServerConfig
+    from deltaserve.entrypoints.router import commands as router_commands
     from deltaserve.models.tiny_spec import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
 
@@ -169,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("dst", help="output directory")
     quant.set_defaults(func=_quantize)
 
+    router_commands.add_parsers(sub)  # `router` and `serve-disagg` (prefill/decode disaggregation)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for module in (offline, trace_replay, followup, http_overhead, executor_overhead, parallel, memory_plan, serve,

@@ -77,7 +77,7 @@ def encode(namespace: str, key: str, payload: bytes, *, ttl_s: float | None = No
     return encode_header(namespace, key, payload, ttl_s=ttl_s, now=now) + payload
 
 
-def decode_entry(raw: bytes, namespace: str, key: str, *, now: float | None = None) -> tuple[bytes | None,
+def decode_entry(raw: bytes | memoryview, namespace: str, key: str, *, now: float | None = None) -> tuple[bytes | None,
                                                                                               Refusal | None]:
     """(payload, None) for a valid entry of `namespace` / `key`, else (None, the reason)."""
     if len(raw) < HEADER_SIZE:
@@ -101,6 +101,6 @@ def decode_entry(raw: bytes, namespace: str, key: str, *, now: float | None = No
     return bytes(payload), None
 
 
-def decode(raw: bytes, namespace: str, key: str, *, now: float | None = None) -> bytes | None:
+def decode(raw: bytes | memoryview, namespace: str, key: str, *, now: float | None = None) -> bytes | None:
     """The payload of a valid, unexpired entry of `namespace` / `key`, else None."""
     return decode_entry(raw, namespace, key, now=now)[0]

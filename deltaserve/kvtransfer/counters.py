@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from deltaserve.kvtransfer.transport import TransportStats
+from deltaserve.kvtransfer.transport import Payload, TransportStats
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Counters:
             return self._stats
 
 
-def counted_fetch(counters: Counters, what: str, fetch: Callable[[], bytes | None]) -> bytes | None:
+def counted_fetch(counters: Counters, what: str, fetch: Callable[[], Payload | None]) -> Payload | None:
     """`fetch()`, counted (fetched, bytes, failures, seconds); any exception becomes None (a recompute) and a log
     line, since a transfer failure must never reach the consumer's step loop as an exception."""
     start = time.monotonic()

@@ -11,7 +11,7 @@ from deltaserve.config.kv_transfer import KVTransferConfig
 from deltaserve.kvtransfer.address import parse_address
 from deltaserve.kvtransfer.counters import Counters
 from deltaserve.kvtransfer.tcp import TcpTransferClient
-from deltaserve.kvtransfer.transport import TransferClient, TransferServer, TransportStats
+from deltaserve.kvtransfer.transport import Payload, TransferClient, TransferServer, TransportStats
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class SchemeClient:
         self._clients: dict[str, TransferClient] = {}
         self._client_for(TRANSPORTS[config.transport][3], strict=True)
 
-    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> bytes | None:
+    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
         try:
             scheme = parse_address(address).scheme
         except ValueError:

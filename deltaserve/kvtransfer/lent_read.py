@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 
 from deltaserve.kvtransfer.tcp import Channel
+from deltaserve.kvtransfer.transport import Payload
 from deltaserve.kvtransfer.wire import Op, Status
 
 logger = logging.getLogger(__name__)
@@ -18,11 +19,11 @@ class ReadFailed(Exception):
     """The library's read failed (not timed out): the payload may still come over TCP."""
 
 
-def fetch_lent(channel: Channel, transfer_id: str, read: Callable[[bytes], bytes | None]) -> bytes | None:
+def fetch_lent(channel: Channel, transfer_id: str, read: Callable[[bytes], Payload | None]) -> Payload | None:
     """`read(descriptor)` returns the payload, None when it ran past the channel's deadline (no retry then), or
     raises ReadFailed (the bytes are then SENT over the connection)."""
     status, length = channel.ask(Op.LEND, transfer_id)
-    payload: bytes | None
+    payload: Payload | None
     if status is Status.UNSUPPORTED:  # lent, but held without a zero-copy path (empty, or not registered)
         payload = channel.fetch_plain(Op.SEND, transfer_id)
     elif status is not Status.OK:

@@ -26,7 +26,7 @@ from deltaserve.kvtransfer.counters import Counters, counted_fetch
 from deltaserve.kvtransfer.held import Held
 from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_lent
 from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
-from deltaserve.kvtransfer.transport import TransportStats
+from deltaserve.kvtransfer.transport import Payload, TransportStats
 from deltaserve.kvtransfer.wire import Deadline, Op
 
 _DESCRIPTOR = struct.Struct("<QQ")  # buffer address, payload length; then the engine's host:port
@@ -86,8 +86,8 @@ class MooncakeTransferClient:
         self._lock = threading.Lock()
         self._counters = Counters()
 
-    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> bytes | None:
-        def fetch() -> bytes | None:
+    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
+        def fetch() -> Payload | None:
             target = parse_address(address)
             with Channel(target, Deadline(timeout_s)) as channel:
                 if target.scheme != MooncakeTransferServer.SCHEME:
@@ -102,7 +102,7 @@ class MooncakeTransferClient:
     def close(self) -> None:
         """The engine goes with the client (a read still running keeps its own buffer)."""
 
-    def _read(self, descriptor: bytes, deadline: Deadline) -> bytes | None:
+    def _read(self, descriptor: bytes, deadline: Deadline) -> Payload | None:
         remote_address, nbytes = _DESCRIPTOR.unpack_from(descriptor)
         target = descriptor[_DESCRIPTOR.size:].decode()
         buffer = ReceiveBuffer(nbytes)

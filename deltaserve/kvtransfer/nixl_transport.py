@@ -25,7 +25,7 @@ from deltaserve.kvtransfer.counters import Counters, counted_fetch
 from deltaserve.kvtransfer.held import Held
 from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_lent
 from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
-from deltaserve.kvtransfer.transport import TransportStats
+from deltaserve.kvtransfer.transport import Payload, TransportStats
 from deltaserve.kvtransfer.wire import Deadline, Op
 
 logger = logging.getLogger(__name__)
@@ -114,8 +114,8 @@ class NixlTransferClient:
         """Transfers given up at their deadline: their buffers stay registered and alive until the library lets
         go of the handle (a late write must land in memory we still own)."""
 
-    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> bytes | None:
-        def fetch() -> bytes | None:
+    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
+        def fetch() -> Payload | None:
             target = parse_address(address)
             with Channel(target, Deadline(timeout_s)) as channel:
                 if target.scheme != NixlTransferServer.SCHEME:
@@ -131,7 +131,7 @@ class NixlTransferClient:
         with self._lock:
             self._retry_abandoned()
 
-    def _read(self, descriptor: bytes, deadline: Deadline) -> bytes | None:
+    def _read(self, descriptor: bytes, deadline: Deadline) -> Payload | None:
         nbytes, metadata_length = _DESCRIPTOR.unpack_from(descriptor)
         metadata = descriptor[_DESCRIPTOR.size:_DESCRIPTOR.size + metadata_length]
         buffer = ReceiveBuffer(nbytes)

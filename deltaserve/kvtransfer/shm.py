@@ -28,7 +28,7 @@ from deltaserve.kvtransfer.counters import Counters, counted_fetch
 from deltaserve.kvtransfer.held import Held
 from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_lent
 from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
-from deltaserve.kvtransfer.transport import TransportStats
+from deltaserve.kvtransfer.transport import Payload, TransportStats
 from deltaserve.kvtransfer.wire import Deadline, Op
 
 logger = logging.getLogger(__name__)
@@ -97,8 +97,8 @@ class ShmTransferClient:
     def __init__(self) -> None:
         self._counters = Counters()
 
-    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> bytes | None:
-        def fetch() -> bytes | None:
+    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
+        def fetch() -> Payload | None:
             target = parse_address(address)
             with Channel(target, Deadline(timeout_s)) as channel:
                 if target.scheme != ShmTransferServer.SCHEME or not is_local_host(target.host):
@@ -114,7 +114,7 @@ class ShmTransferClient:
         """Nothing to free: segments belong to the producer."""
 
 
-def _read_descriptor(descriptor: bytes) -> bytes:
+def _read_descriptor(descriptor: bytes) -> Payload:
     (nbytes,) = _DESCRIPTOR.unpack_from(descriptor)
     try:
         return read_segment(descriptor[_DESCRIPTOR.size:].decode(), nbytes)
@@ -122,7 +122,7 @@ def _read_descriptor(descriptor: bytes) -> bytes:
         raise ReadFailed(str(exc)) from exc
 
 
-def read_segment(name: str, nbytes: int) -> bytes:
+def read_segment(name: str, nbytes: int) -> Payload:
     """A copy of the first `nbytes` of segment `name` (read through its file, never registered with this process's
     resource tracker, which would unlink the producer's segment when this process exits)."""
     if not name.startswith(SEGMENT_PREFIX) or "/" in name or name in (".", ".."):
@@ -131,7 +131,7 @@ def read_segment(name: str, nbytes: int) -> bytes:
     try:
         if os.fstat(fd).st_size < nbytes:  # mapping past the end would SIGBUS on the copy
             raise OSError(f"segment {name} is shorter than {nbytes} bytes")
-        # pread straight into the returned bytes: one copy, and no page faults on a mapping of the segment
+        # pread straight into the returned buffer: one copy, and no page faults on a mapping of the segment
         buffer, got = ReceiveBuffer(nbytes), 0
         while got < nbytes:
             n = os.preadv(fd, [buffer.view[got:]], got)

@@ -19,7 +19,7 @@ from deltaserve.kvtransfer.address import Address, parse_address
 from deltaserve.kvtransfer.buffers import ReceiveBuffer
 from deltaserve.kvtransfer.counters import Counters, counted_fetch
 from deltaserve.kvtransfer.held import Held, HeldPayloads
-from deltaserve.kvtransfer.transport import TransportStats
+from deltaserve.kvtransfer.transport import Payload, TransportStats
 from deltaserve.kvtransfer.wire import (
     Deadline,
     Op,
@@ -192,8 +192,8 @@ class Channel:
         self.deadline.arm(self.sock)
         self.sock.sendall(encode_request(Request(op, transfer_id)))
 
-    def read_payload(self, nbytes: int) -> bytes:
-        """A reply body of `nbytes`, received straight into the bytes object returned."""
+    def read_payload(self, nbytes: int) -> Payload:
+        """A reply body of `nbytes`, received straight into the buffer returned."""
         buffer = ReceiveBuffer(nbytes)
         recv_into_exact(self.sock, buffer.view, self.deadline)
         return buffer.take()
@@ -201,7 +201,7 @@ class Channel:
     def read_small(self, nbytes: int) -> bytes:
         return recv_small(self.sock, nbytes, self.deadline)
 
-    def fetch_plain(self, op: Op, transfer_id: str) -> bytes | None:
+    def fetch_plain(self, op: Op, transfer_id: str) -> Payload | None:
         """FETCH (or SEND of what was lent): the payload over this connection, None if the server has none."""
         status, length = self.ask(op, transfer_id)
         return self.read_payload(length) if status is Status.OK else None
@@ -222,8 +222,8 @@ class TcpTransferClient:
     def __init__(self) -> None:
         self._counters = Counters()
 
-    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> bytes | None:
-        def fetch() -> bytes | None:
+    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
+        def fetch() -> Payload | None:
             deadline = Deadline(timeout_s)
             with Channel(parse_address(address), deadline) as channel:
                 return channel.fetch_plain(Op.FETCH, transfer_id)

@@ -18,6 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+Payload = bytes | memoryview
+"""What a fetch returns: the payload's bytes, as `bytes` or a read-only view of the buffer it was received into
+(no copy)."""
+
 
 @dataclass(frozen=True, slots=True)
 class TransportStats:
@@ -62,7 +66,7 @@ class TransferServer(Protocol):
 class TransferClient(Protocol):
     """The consumer rank's side."""
 
-    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> bytes | None:
+    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
         """The payload published under `transfer_id` at `address`, or None on any failure (see the module rules)."""
         ...
 

@@ -111,8 +111,9 @@ def _republish(prefill: EngineCore, params: dict[str, Any], change) -> None:
     key = params["transfer_id"] + "/r0of1"
     from deltaserve.kvtransfer.factory import make_client
 
-    raw = make_client(prefill.config.kv_transfer_config).fetch(params["remote_addresses"][0], key, 5.0)
-    assert raw is not None
+    fetched = make_client(prefill.config.kv_transfer_config).fetch(params["remote_addresses"][0], key, 5.0)
+    assert fetched is not None
+    raw = bytes(fetched)
     from deltaserve.executor.shared_store import shared_namespace
 
     ns = shared_namespace(prefill.config)
