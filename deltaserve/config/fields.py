@@ -3,6 +3,7 @@ error names the field it is about."""
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
@@ -111,3 +112,24 @@ def _normalise(value: Any, allowed: tuple[type, ...]) -> Any:
     if isinstance(value, os.PathLike) and str in allowed:
         return os.fspath(value)
     return _INVALID
+
+
+def parse_json_object(value: str | dict[str, Any], name: str) -> dict[str, Any]:
+    """A JSON object given as text (a command-line flag) or already decoded; ValueError naming `name` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r:.60}")
+    return value
+
+
+def check_known_fields(value: dict[str, Any], known: list[str], name: str, ignored: frozenset[str] = frozenset()
+                       ) -> None:
+    """ValueError naming the keys of `value` that are neither `known` nor `ignored`."""
+    unknown = sorted(set(value) - set(known) - ignored)
+    if unknown:
+        raise ValueError(f"{name} has unknown field(s) {', '.join(map(repr, unknown))} "
+                         f"(supported: {', '.join(known)})")

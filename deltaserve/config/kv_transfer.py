@@ -6,9 +6,10 @@ Each error is one line naming its field (`kv_transfer_config.kv_role must be ...
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from deltaserve.config.fields import check_known_fields, parse_json_object
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = {
@@ -82,20 +83,11 @@ class KVTransferConfig:
         types and bad values raise a one-line ValueError naming the field."""
         if isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r:.60}")
+        value = parse_json_object(value, "kv_transfer_config")
         known = [f.name for f in fields(cls)]
         # vLLM keys we accept and ignore: they size or name things we do not have.
-        ignored = {"kv_rank", "kv_parallel_size", "engine_id", "kv_buffer_device", "kv_load_failure_policy"}
-        unknown = sorted(set(value) - set(known) - ignored)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown field(s) {', '.join(map(repr, unknown))} "
-                             f"(supported: {', '.join(known)})")
+        check_known_fields(value, known, "kv_transfer_config", frozenset(
+            {"kv_rank", "kv_parallel_size", "engine_id", "kv_buffer_device", "kv_load_failure_policy"}))
         if "kv_connector" in value and not isinstance(value["kv_connector"], str):
             raise ValueError(_err("kv_connector", "must be a string", value["kv_connector"]))
         return cls(**{k: v for k, v in value.items() if k in known})

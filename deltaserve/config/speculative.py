@@ -5,9 +5,10 @@ Each error is one line naming its field (`speculative_config.num_speculative_tok
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from deltaserve.config.fields import check_known_fields, parse_json_object
 
 METHODS = ("ngram", "draft_model")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -82,18 +83,8 @@ class SpeculativeConfig:
         Unknown keys, wrong types and bad values raise a one-line ValueError naming the field."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r:.60}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ValueError(f"speculative_config has unknown field(s) {', '.join(map(repr, unknown))} "
-                             f"(supported: {', '.join(known)})")
+        value = parse_json_object(value, "speculative_config")
+        check_known_fields(value, [f.name for f in fields(cls)], "speculative_config")
         for required in ("method", "num_speculative_tokens"):
             if required not in value:
                 raise ValueError(f"speculative_config.{required} is required")

@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from deltaserve.kvtransfer.address import is_local_host, parse_address
+from deltaserve.kvtransfer.counters import Counters, counted_fetch
 from deltaserve.kvtransfer.tcp import Channel
 from deltaserve.kvtransfer.transport import Payload
-from deltaserve.kvtransfer.wire import Op, Status
+from deltaserve.kvtransfer.wire import Deadline, Op, Status
 
 logger = logging.getLogger(__name__)
 
@@ -38,3 +40,18 @@ def fetch_lent(channel: Channel, transfer_id: str, read: Callable[[bytes], Paylo
     if payload is not None:
         channel.tell(Op.RELEASE, transfer_id)
     return payload
+
+
+def fetch_from(counters: Counters, address: str, transfer_id: str, timeout_s: float, scheme: str,
+               read: Callable[[bytes, Deadline], Payload | None], *, local_only: bool = False) -> Payload | None:
+    """A client's whole fetch, counted: a plain FETCH unless the producer at `address` speaks `scheme` (and, with
+    `local_only`, runs on this host), else LEND, `read(descriptor, deadline)` and RELEASE (`fetch_lent`)."""
+
+    def fetch() -> Payload | None:
+        target = parse_address(address)
+        with Channel(target, Deadline(timeout_s)) as channel:
+            if target.scheme != scheme or (local_only and not is_local_host(target.host)):
+                return channel.fetch_plain(Op.FETCH, transfer_id)
+            return fetch_lent(channel, transfer_id, lambda descriptor: read(descriptor, channel.deadline))
+
+    return counted_fetch(counters, f"{transfer_id} from {address}", fetch)

@@ -20,14 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from deltaserve.kvtransfer.address import parse_address
 from deltaserve.kvtransfer.buffers import ReceiveBuffer
-from deltaserve.kvtransfer.counters import Counters, counted_fetch
+from deltaserve.kvtransfer.counters import Counters
 from deltaserve.kvtransfer.held import Held
-from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_lent
-from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
+from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_from
+from deltaserve.kvtransfer.tcp import TcpTransferServer
 from deltaserve.kvtransfer.transport import Payload, TransportStats
-from deltaserve.kvtransfer.wire import Deadline, Op
+from deltaserve.kvtransfer.wire import Deadline
 
 _DESCRIPTOR = struct.Struct("<QQ")  # buffer address, payload length; then the engine's host:port
 
@@ -87,14 +86,7 @@ class MooncakeTransferClient:
         self._counters = Counters()
 
     def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
-        def fetch() -> Payload | None:
-            target = parse_address(address)
-            with Channel(target, Deadline(timeout_s)) as channel:
-                if target.scheme != MooncakeTransferServer.SCHEME:
-                    return channel.fetch_plain(Op.FETCH, transfer_id)
-                return fetch_lent(channel, transfer_id, lambda descriptor: self._read(descriptor, channel.deadline))
-
-        return counted_fetch(self._counters, f"{transfer_id} from {address}", fetch)
+        return fetch_from(self._counters, address, transfer_id, timeout_s, MooncakeTransferServer.SCHEME, self._read)
 
     def stats(self) -> TransportStats:
         return self._counters.snapshot()

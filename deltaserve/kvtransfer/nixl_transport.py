@@ -19,14 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from deltaserve.kvtransfer.address import parse_address
 from deltaserve.kvtransfer.buffers import ReceiveBuffer
-from deltaserve.kvtransfer.counters import Counters, counted_fetch
+from deltaserve.kvtransfer.counters import Counters
 from deltaserve.kvtransfer.held import Held
-from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_lent
-from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
+from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_from
+from deltaserve.kvtransfer.tcp import TcpTransferServer
 from deltaserve.kvtransfer.transport import Payload, TransportStats
-from deltaserve.kvtransfer.wire import Deadline, Op
+from deltaserve.kvtransfer.wire import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +114,7 @@ class NixlTransferClient:
         go of the handle (a late write must land in memory we still own)."""
 
     def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
-        def fetch() -> Payload | None:
-            target = parse_address(address)
-            with Channel(target, Deadline(timeout_s)) as channel:
-                if target.scheme != NixlTransferServer.SCHEME:
-                    return channel.fetch_plain(Op.FETCH, transfer_id)
-                return fetch_lent(channel, transfer_id, lambda descriptor: self._read(descriptor, channel.deadline))
-
-        return counted_fetch(self._counters, f"{transfer_id} from {address}", fetch)
+        return fetch_from(self._counters, address, transfer_id, timeout_s, NixlTransferServer.SCHEME, self._read)
 
     def stats(self) -> TransportStats:
         return self._counters.snapshot()

@@ -22,14 +22,12 @@ import uuid
 from multiprocessing import shared_memory
 from typing import Any, cast
 
-from deltaserve.kvtransfer.address import is_local_host, parse_address
 from deltaserve.kvtransfer.buffers import ReceiveBuffer
-from deltaserve.kvtransfer.counters import Counters, counted_fetch
+from deltaserve.kvtransfer.counters import Counters
 from deltaserve.kvtransfer.held import Held
-from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_lent
-from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
+from deltaserve.kvtransfer.lent_read import ReadFailed, fetch_from
+from deltaserve.kvtransfer.tcp import TcpTransferServer
 from deltaserve.kvtransfer.transport import Payload, TransportStats
-from deltaserve.kvtransfer.wire import Deadline, Op
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +96,8 @@ class ShmTransferClient:
         self._counters = Counters()
 
     def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Payload | None:
-        def fetch() -> Payload | None:
-            target = parse_address(address)
-            with Channel(target, Deadline(timeout_s)) as channel:
-                if target.scheme != ShmTransferServer.SCHEME or not is_local_host(target.host):
-                    return channel.fetch_plain(Op.FETCH, transfer_id)
-                return fetch_lent(channel, transfer_id, _read_descriptor)
-
-        return counted_fetch(self._counters, f"{transfer_id} from {address}", fetch)
+        return fetch_from(self._counters, address, transfer_id, timeout_s, ShmTransferServer.SCHEME,
+                          lambda descriptor, _deadline: _read_descriptor(descriptor), local_only=True)
 
     def stats(self) -> TransportStats:
         return self._counters.snapshot()
