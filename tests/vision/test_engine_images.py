@@ -152,3 +152,23 @@ def test_bad_image_records_are_refused(k3_path, placeholder, images, tiny_dir):
     text_model = EngineCore(EngineConfig(model=str(tiny_dir("base"))))
     with pytest.raises(ValueError, match="no vision tower"):
         text_model.add_request("z", image_prompt(placeholder, im), GREEDY, images=(im,))
+
+
+def test_a_prefix_hit_inside_the_image_resumes_mid_image(k3_path, placeholder, images):
+    """A checkpoint at position 16 lies inside the image (10..29): a prompt with the same text and image but a
+    different ending hits there, its first chunk starts at image row 6, and its output equals the uncached run."""
+    im = images["shapes"]
+    first = image_prompt(placeholder, im)
+    second = first[:im.end] + prompt_ids(1000, 9, seed=77)
+    engine = core(k3_path, state_checkpoint_interval=BLOCK)
+    run(engine, {"a": (first, (im,))})
+    engine.add_request("b", second, GREEDY, images=(im,))
+    tokens: list[int] = []
+    cached = -1
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            if o.finish_reason is not None:
+                cached = o.num_cached_tokens
+    assert im.offset < cached < im.end, cached
+    assert tokens == run(core(k3_path, prefix=False), {"b": (second, (im,))})["b"]
