@@ -130,6 +130,8 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         """Prompt logprobs computed by prefill chunks, until the request's first output carries them."""
         self.engine_id = uuid.uuid4().hex[:12]
+        self._transfer_ids = itertools.count()
+        """Transfer ids are unique even when a request id is reused while an earlier payload still waits."""
         self._sends: dict[str, RemotePrefill] = {}
         """Prefill side: the transfer each producer request publishes, returned with its last output once sent."""
         self.transfer = TransferCounters()
@@ -289,7 +291,7 @@ class EngineCore:
             if kv is None or not kv.is_producer or len(prompt) < 2:  # computed here in full instead
                 return None, None
             n = len(prompt) - 1
-            return RemotePrefill(transfer_id=f"{self.engine_id}-{next(self._arrivals)}-{request_id}",
+            return RemotePrefill(transfer_id=f"{self.engine_id}-{next(self._transfer_ids)}-{request_id}",
                                  addresses=self.transfer_addresses, num_tokens=n,
                                  prompt_digest=prompt_digest(prompt[:n])), None
         if remote is None:
