@@ -48,7 +48,8 @@ class FakeCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
 
-    def add_request(self, request_id, prompt_token_ids, params, *, eos_token_ids=frozenset(), priority=0) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, *, eos_token_ids=frozenset(), priority=0,
+                    kv_transfer_params=None, images=()) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
         self.live[request_id] = [0, params.max_tokens]

@@ -36,7 +36,8 @@ class ScriptedClient:
         """When set: a request with no script waits on it (a sequence that never finishes by itself)."""
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
+                       kv_transfer_params: dict | None = None, images: tuple = ()
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         self.params[request_id] = params
         self.started.set()
@@ -145,7 +146,8 @@ class BurstClient(ScriptedClient):
     per_step = 3
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None
+                       eos_token_ids: frozenset[int] = frozenset(), priority: int = 0, session_id: str | None = None,
+                       kv_transfer_params: dict | None = None, images: tuple = ()
                        ) -> AsyncGenerator[EngineCoreOutput, None]:
         ids = self.tokens[request_id]
         for i in range(0, len(ids), self.per_step):
