@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from deltaserve.config.kv_transfer import RemotePrefill
-from deltaserve.multimodal.inputs import ImageInput
+from deltaserve.multimodal.inputs import ImageInput, keyed_tokens
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -91,12 +91,7 @@ class Request:
     def cache_token_slice(self, start: int, end: int) -> list[int]:
         """`token_slice`, with each image placeholder token replaced by its image's `cache_token`: what prefix-cache
         keys hash, so that cached blocks and states over an image are found only for the same image."""
-        tokens = self.token_slice(start, end)
-        for image in self.images:
-            lo, hi = max(image.offset, start), min(image.end, end)
-            if lo < hi:
-                tokens[lo - start:hi - start] = [image.cache_token] * (hi - lo)
-        return tokens
+        return keyed_tokens(self.token_slice(start, end), self.images, start)
 
     @property
     def is_finished(self) -> bool:

@@ -6,6 +6,7 @@ Each error is one line naming its field (`kv_transfer_config.kv_role must be ...
 from __future__ import annotations
 
 import hashlib
+from array import array
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -100,8 +101,7 @@ def _err(name: str, rule: str, value: Any) -> str:
 def prompt_digest(token_ids: list[int]) -> str:
     """A digest of prompt token ids: the decode instance checks that the transferred cache is for its own prompt
     (two instances may render or tokenise a request differently)."""
-    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids)
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()  # 64-bit: image keys
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,7 +26,7 @@ from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.stats import EngineStats
 from deltaserve.executor import Executor, make_executor
 from deltaserve.executor.shared_store import RankZeroLookup, open_shared_store
-from deltaserve.multimodal.inputs import ImageInput, check_images
+from deltaserve.multimodal.inputs import ImageInput, check_images, keyed_tokens
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.request import FinishReason, Request
 from deltaserve.sampling_params import SamplingParams
@@ -260,7 +260,8 @@ class EngineCore:
             raise ValueError(f"allowed_token_ids has no token in the vocabulary [0, {vocab})")
         if self.structured.is_pending(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        send, remote = self._transfer_role(request_id, prompt_token_ids, kv_transfer_params)
+        # Transfer digests hash the image-aware tokens: two prompts differing only in an image never match.
+        send, remote = self._transfer_role(request_id, keyed_tokens(prompt_token_ids, images), kv_transfer_params)
         if send is not None:  # the prefill side: the prompt but its last token, then one throwaway greedy token
             prompt_token_ids = prompt_token_ids[:send.num_tokens]
             params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -284,7 +285,8 @@ class EngineCore:
     def _transfer_role(self, request_id: str, prompt: list[int], params: dict[str, Any] | None
                        ) -> tuple[RemotePrefill | None, RemotePrefill | None]:
         """(the transfer this prefill-side request publishes, the one this decode-side request fetches) from its
-        `kv_transfer_params`; ValueError naming the field for a malformed object."""
+        `kv_transfer_params` and its `prompt` (image placeholders keyed by image); ValueError naming the field for a
+        malformed object."""
         do_remote_decode, remote = parse_transfer_request(params)
         kv = self.config.kv_transfer_config
         if do_remote_decode:

@@ -70,3 +70,14 @@ def check_images(images: tuple[ImageInput, ...], prompt_token_ids: list[int], pl
             raise ValueError(f"image {i}: {len(image.pixel_values)} bytes of pixel values do not fit grid "
                              f"{image.grid_thw} of {image.patch_size}-pixel patches")
         previous_end = image.end
+
+
+def keyed_tokens(tokens: list[int], images: tuple[ImageInput, ...], start: int = 0) -> list[int]:
+    """`tokens` (positions `start`.. of a prompt) with each image placeholder replaced by its image's
+    `cache_token`: what prefix-cache keys and transfer digests hash, so that they tell images apart."""
+    out = list(tokens)
+    for image in images:
+        lo, hi = max(image.offset, start), min(image.end, start + len(out))
+        if lo < hi:
+            out[lo - start:hi - start] = [image.cache_token] * (hi - lo)
+    return out
