@@ -33,22 +33,23 @@ class KVTransferIO:
         self.block_size, self.server, self.client = block_size, server, client
         self.timeout_s, self.ttl_s = timeout_s, ttl_s
 
-    def run(self, fetches: Sequence[RemoteFetch], sends: Sequence[ScheduledChunk], caches: Sequence[LayerCache],
-            host_caches: Sequence[LayerCache] | None, *, after_forward: bool) -> TransferResult:
-        """Before the forward (`after_forward` False): the fetches, into `host_caches`. After it: publish the caches
-        of `sends` (chunks that ended a prefill request's prompt) from the device `caches`."""
+    def fetch(self, fetches: Sequence[RemoteFetch], caches: Sequence[LayerCache],
+              host_caches: Sequence[LayerCache] | None) -> TransferResult:
+        """Before the step's forward: each fetch into its reserved `host_caches` entries (`caches` give the sizes)."""
         start = time.perf_counter()
-        if not after_forward:
-            kv = state = 0
-            fetched = []
-            for f in fetches:
-                got = self._fetch(f, caches, host_caches)
-                fetched.append(got is not None)
-                if got is not None:
-                    kv, state = kv + got[0], state + got[1]
-            return TransferResult(fetched=fetched, received=(kv, state), seconds=time.perf_counter() - start)
-        sent = {c.request_id: self._send(c, caches) for c in sends if c.kv_send is not None}
-        return TransferResult(sent=sent, seconds=time.perf_counter() - start)
+        kv = state = 0
+        fetched = []
+        for f in fetches:
+            got = self._fetch(f, caches, host_caches)
+            fetched.append(got is not None)
+            if got is not None:
+                kv, state = kv + got[0], state + got[1]
+        return TransferResult(fetched=fetched, received=(kv, state), seconds=time.perf_counter() - start)
+
+    def publish(self, sends: Sequence[ScheduledChunk], caches: Sequence[LayerCache]) -> dict[str, tuple[int, int]]:
+        """After the forward: publish the device caches of `sends` (chunks that ended a prefill request's prompt);
+        per request, (KV bytes, state bytes) of this rank's payload."""
+        return {c.request_id: self._send(c, caches) for c in sends if c.kv_send is not None}
 
     def _send(self, chunk: ScheduledChunk, caches: Sequence[LayerCache]) -> tuple[int, int]:
         if self.server is None:

@@ -87,8 +87,7 @@ class ModelRunner:
         transfer = None
         if out.remote_fetches:  # into host-tier entries the host copies below do not touch this step
             transfer = TransferResult(fetched=[False] * len(out.remote_fetches)) if self.transfer is None else \
-                self.transfer.run(out.remote_fetches, (), self.caches, None if self.host is None else self.host.caches,
-                                  after_forward=False)
+                self.transfer.fetch(out.remote_fetches, self.caches, None if self.host is None else self.host.caches)
         host_seconds = 0.0
         if out.host_copies is not None:
             if self.host is None:
@@ -103,10 +102,10 @@ class ModelRunner:
             if sends:
                 if self.transfer is None:
                     raise RuntimeError("a prefill cache to publish, but this runner has no kv transfer configured")
-                sent = self.transfer.run((), sends, self.caches, None, after_forward=True)
-                transfer = sent if transfer is None else TransferResult(
-                    fetched=transfer.fetched, received=transfer.received, sent=sent.sent,
-                    seconds=transfer.seconds + sent.seconds)
+                start = time.perf_counter()
+                sent = self.transfer.publish(sends, self.caches)
+                transfer = dataclasses.replace(transfer or TransferResult(), sent=sent, seconds=(
+                    transfer.seconds if transfer else 0.0) + time.perf_counter() - start)
             chunks = [c for c in out.chunks if c.sample]
             if chunks:
                 sampled = self._sample(logits, chunks, out)
