@@ -8,9 +8,10 @@ import os
 import random
 import signal
 import struct
+import threading
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import Any, NoReturn
 
 from deltaserve.kvtransfer.address import parse_address
 from deltaserve.kvtransfer.tcp import Channel, TcpTransferServer
@@ -57,9 +58,13 @@ def _install_fault(fault: str, reached: Event) -> None:
         return
     original = TcpTransferServer._answer
 
-    def stop() -> None:
+    def stop() -> NoReturn:
         reached.set()
         os.kill(os.getpid(), signal.SIGSTOP)
+        # A process-directed SIGSTOP may be taken by another thread while this one runs on for a moment (it once
+        # sent the reply it was meant to withhold): it never goes on, stopped or not.
+        threading.Event().wait()
+        raise AssertionError("unreachable")
 
     def answer(self: TcpTransferServer, connection: Any, request: Request, lent: Any) -> Any:
         if fault == "stop_before_reply" and request.op in (Op.FETCH, Op.LEND):
