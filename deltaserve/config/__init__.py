@@ -3,6 +3,7 @@
 from deltaserve.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, parse_memory
 from deltaserve.config.fields import ConfigError
 from deltaserve.config.kv_transfer import KVTransferConfig, RemotePrefill
+from deltaserve.config.media import MediaConfig
 from deltaserve.config.model import ActivationConfig, KDAConfig, MLAConfig, ModelConfig, MoEConfig
 from deltaserve.config.parallel_check import check_parallel
 from deltaserve.config.quantization import QuantizationConfig
@@ -19,6 +20,7 @@ __all__ = [
     "KDAConfig",
     "KVTransferConfig",
     "RemotePrefill",
+    "MediaConfig",
     "MLAConfig",
     "ModelConfig",
     "MoEConfig",

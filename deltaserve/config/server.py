@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from deltaserve.config.media import MediaConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +52,8 @@ class ServerConfig:
     byte (or after it opened)."""
     body_timeout_s: float = 60.0
     """Answer 408 to a request whose body has not all arrived this long after its headers."""
+    media: MediaConfig = field(default_factory=MediaConfig)
+    """Image sources and limits (their own flags: --allowed-media-domains, --limit-mm-per-prompt, ...)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

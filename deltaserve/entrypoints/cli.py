@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         sweep,
         trace_replay,
     )
-    from deltaserve.config import CacheConfig, ParallelConfig, SchedulerConfig, ServerConfig
+    from deltaserve.config import CacheConfig, MediaConfig, ParallelConfig, SchedulerConfig, ServerConfig
     from deltaserve.entrypoints.router import commands as router_commands
     from deltaserve.models.tiny_spec import TinySpec
     from deltaserve.utils.cli_args import add_dataclass_args
@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="accepted for `vllm serve` command lines; no effect: deltaserve runs eagerly (torch.compile "
                           "measured slower than its hand-fused CPU ops, see docs/benchmarks.md)")
     add_dataclass_args(srv.add_argument_group("server"), ServerConfig)
+    add_dataclass_args(srv.add_argument_group("images"), MediaConfig)
     engine = srv.add_argument_group("engine (help generated from the config dataclasses)")
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
     add_dataclass_args(engine, SchedulerConfig)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-ImageErrorKind = Literal["not_an_image", "truncated", "zero_size", "too_many_pixels"]
+ImageErrorKind = Literal["not_an_image", "truncated", "zero_size", "too_many_pixels", "disallowed_url", "fetch_failed",
+                         "too_large"]
 
 
 class ImageError(ValueError):

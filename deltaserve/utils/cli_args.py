@@ -29,23 +29,38 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
                        aliases: dict[str, str] | None = None) -> None:
-    """One `--field-name` option per field of `cls` (bools become --flag / --no-flag), defaults from the class, on
-    a parser or one of its argument groups."""
+    """One `--field-name` option per field of `cls` (bools become --flag / --no-flag, tuples take several values),
+    defaults from the class, on a parser or one of its argument groups. Fields holding a nested config dataclass
+    get no option: add that class's own options (`dataclass_from_args` builds it from them)."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + (aliases or {}).get(f.name, f.name.replace("_", "-"))
         kind = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(kind):
+            continue
         default = f.default
         help_text = f"{docs.get(f.name, '')} (default: {default})"
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        elif typing.get_origin(kind) is tuple:
+            parser.add_argument(flag, dest=f.name, nargs="*", type=typing.get_args(kind)[0], default=default,
                                 help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, type=_parser_for(kind), default=default, help=help_text)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    """`cls` from the options `add_dataclass_args` added (lists back to tuples, nested configs built likewise)."""
+    hints, values = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        kind = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(kind):
+            values[f.name] = dataclass_from_args(typing.cast(type, kind), args)
+        else:
+            value = getattr(args, f.name)
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
 
 
 def _base_type(hint: Any) -> type:

@@ -1,12 +1,14 @@
 """Images through the real server on a tiny K3 checkpoint with a vision tower, with the official `openai` and
-`anthropic` SDKs: an image request answers (usage counts the image tokens), every bad image is a 400 naming its
-content part, and the server keeps serving; a model without a vision tower refuses images with a 400."""
+`anthropic` SDKs: an image request answers (usage counts the image tokens), from a data URL, a loopback http server
+or the allowed local directory alike; every bad image or URL, and one image too many, is a 400 naming its content
+part, and the server keeps serving; a model without a vision tower refuses images with a 400."""
 
 from __future__ import annotations
 
 import base64
 import struct
 import zlib
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -18,6 +20,7 @@ from deltaserve.models.tiny_k3 import write_tiny_k3_checkpoint
 from deltaserve.models.tiny_spec import TinySpec
 from tests.entrypoints.server_fixture import API_KEY, start_server, stop_server
 from tests.vision.images import encode, noise, shapes
+from tests.vision.media_server import media_server
 
 PNG = encode(shapes(56, 84), "PNG")  # 4 x 6 patches of 14 -> 6 image tokens
 JPEG = encode(noise(60, 40, seed=2), "JPEG")
@@ -43,10 +46,26 @@ def _data_url(data: bytes, kind: str = "png") -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def media_dir(tmp_path_factory) -> Path:
+    """The server's --allowed-local-media-path, holding PNG as cat.png."""
+    root = tmp_path_factory.mktemp("media")
+    (root / "cat.png").write_bytes(PNG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def images_http():
+    with media_server(PNG) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, media_dir):
     path = write_tiny_k3_checkpoint(tmp_path_factory.mktemp("k3-vision-ckpt"), TinySpec(arch="kimi_k3", seed=4),
                                     vision=True)
-    live = start_server(path, tmp_path_factory.mktemp("k3-vision-server"), "--max-model-len", "512")
+    live = start_server(path, tmp_path_factory.mktemp("k3-vision-server"), "--max-model-len", "512",
+                        "--allowed-media-domains", "127.0.0.1", "--allowed-local-media-path", str(media_dir),
+                        "--limit-mm-per-prompt", '{"image": 2}')
     yield live
     stop_server(live)
 
@@ -71,7 +90,8 @@ def _anthropic_image(client: anthropic.Anthropic, source: dict, max_tokens: int 
     # Any: bad sources are the point of some tests, and the SDK's TypedDicts refuse them.
     messages: Any = [
         {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "describe"}]}]
-    return client.messages.create(model="tiny", max_tokens=max_tokens, messages=messages)
+    return client.messages.create(model="tiny", max_tokens=max_tokens, messages=messages,
+                                  extra_body={"temperature": 0.0})  # this SDK version has no temperature argument
 
 
 def _text_tokens(server, messages: list[dict]) -> int:
@@ -108,9 +128,39 @@ def test_openai_bad_images_are_400s_naming_the_part(oa, case):
     assert _openai_image(oa, _data_url(PNG)).choices[0].finish_reason == "length"  # still serving
 
 
-def test_openai_remote_urls_are_refused_with_a_clear_400(oa):
-    with pytest.raises(openai.BadRequestError, match="does not fetch"):
-        _openai_image(oa, "http://127.0.0.1:9/cat.png")
+def test_openai_http_and_file_urls_are_fetched(oa, images_http, media_dir):
+    """The same picture from a data URL, the loopback server and the allowed directory: the same prompt, answer."""
+    want = _openai_image(oa, _data_url(PNG))
+    for url in (images_http.url("/img.png"), (media_dir / "cat.png").as_uri()):
+        got = _openai_image(oa, url)
+        assert got.usage is not None and want.usage is not None
+        assert (got.choices[0].message.content, got.usage.prompt_tokens) == (
+            want.choices[0].message.content, want.usage.prompt_tokens)
+
+
+@pytest.mark.parametrize(("where", "kind"), [("/missing", "fetch_failed"), ("localhost", "disallowed_url"),
+                                             ("file-outside", "disallowed_url"), ("ftp", "disallowed_url")])
+def test_openai_bad_image_urls_are_400s(oa, images_http, where, kind):
+    url = {"/missing": images_http.url("/missing"), "localhost": images_http.url("/img.png", "localhost"),
+           "file-outside": "file:///etc/hostname", "ftp": "ftp://127.0.0.1/cat.png"}[where]
+    with pytest.raises(openai.BadRequestError) as err:
+        _openai_image(oa, url)
+    body = err.value.body
+    assert isinstance(body, dict) and body.get("code") == kind, body
+    assert body.get("param") == "messages.0.content.1.image_url", body
+    assert _openai_image(oa, _data_url(PNG)).choices[0].finish_reason == "length"  # still serving
+
+
+def test_limit_mm_per_prompt(oa):
+    image = {"type": "image_url", "image_url": {"url": _data_url(PNG)}}
+    ok = oa.chat.completions.create(model="tiny", max_tokens=2, messages=[
+        {"role": "user", "content": [image, image]}])
+    assert ok.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="--limit-mm-per-prompt") as err:
+        oa.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [image, image]}, {"role": "assistant", "content": "two"},
+            {"role": "user", "content": [image]}])
+    assert isinstance(err.value.body, dict) and err.value.body.get("param") == "messages.2.content.0.image_url"
 
 
 def test_anthropic_image_request_answers(an):
@@ -127,9 +177,16 @@ def test_anthropic_bad_images_are_400s_naming_the_block(an, case):
     assert ok.stop_reason == "max_tokens"
 
 
-def test_anthropic_url_sources_are_refused(an):
-    with pytest.raises(anthropic.BadRequestError, match="base64"):
+def test_anthropic_url_sources_are_fetched(an, images_http):
+    by_data = _anthropic_image(an, {"type": "base64", "media_type": "image/png",
+                                    "data": base64.b64encode(PNG).decode()})
+    by_url = _anthropic_image(an, {"type": "url", "url": images_http.url("/img.png")})
+    assert by_url.usage.input_tokens == by_data.usage.input_tokens
+    assert [b.model_dump() for b in by_url.content] == [b.model_dump() for b in by_data.content]
+    with pytest.raises(anthropic.BadRequestError, match="allowed-media-domains"):
         _anthropic_image(an, {"type": "url", "url": "https://example.com/cat.png"})
+    with pytest.raises(anthropic.BadRequestError, match="type: url"):
+        _anthropic_image(an, {"type": "file", "file_id": "f"})
 
 
 def test_a_model_without_a_vision_tower_refuses_images(tiny_dir, tmp_path_factory):

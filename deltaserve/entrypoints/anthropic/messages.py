@@ -86,10 +86,12 @@ def _image(block: ContentBlock, where: str, images: RequestImages) -> ImageSlot:
     source = block.source
     if source is None:
         raise bad_request(f"{where}: an image block needs a source", param=f"{where}.source")
-    if source.type != "base64" or source.data is None:
-        raise bad_request(f"{where}: only base64 image sources are supported (this server does not fetch URLs)",
-                          param=f"{where}.source")
-    return images.add_base64(source.data, param=f"{where}.source")
+    if source.type == "base64" and source.data is not None:
+        return images.add_base64(source.data, param=f"{where}.source")
+    if source.type == "url" and source.url:
+        return images.add_url(source.url, param=f"{where}.source")
+    raise bad_request(f"{where}: an image source is {{type: base64, media_type, data}} or {{type: url, url}}",
+                      param=f"{where}.source")
 
 
 def render_messages_prompt(frontend: Frontend, body: CountTokensRequest, max_tokens: int | None = None

@@ -69,7 +69,7 @@ def _content(content: Any, *, param: str, images: RequestImages | None) -> tuple
         if part.type == "image_url" and images is not None:
             if part.image_url is None or not part.image_url.url:
                 raise bad_request("an image_url part needs image_url.url", param=f"{param}.{j}.image_url")
-            slot = images.add_data_url(part.image_url.url, param=f"{param}.{j}.image_url")
+            slot = images.add_url(part.image_url.url, param=f"{param}.{j}.image_url")
             slots.append(ImageSlot(position=sum(map(len, parts)), num_tokens=slot.num_tokens))
             continue
         if part.type != "text" or part.text is None:

@@ -77,7 +77,7 @@ class Frontend:
                                    default=1)
         """UTF-8 bytes of the longest token: a text of C characters has at least C / this many tokens."""
         self._render_pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="render")
-        self.images = ImageSupport.from_model(model_root)
+        self.images = ImageSupport.from_model(model_root, config.media)
         """How the model takes images (None: it has no vision tower, and image content is a 400)."""
 
     async def offload(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
