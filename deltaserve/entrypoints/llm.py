@@ -20,7 +20,7 @@ import logging
 import time
 import weakref
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 from deltaserve.config import (
     CacheConfig,
@@ -38,6 +38,9 @@ from deltaserve.engine.inproc_client import InprocEngineClient
 from deltaserve.engine.messages import EngineInfo
 from deltaserve.engine.output_processor import OutputProcessor, SequenceState, TextProcessor
 from deltaserve.engine.protocol import EngineRequestError
+from deltaserve.multimodal import ImageProcessingConfig
+from deltaserve.multimodal.inputs import ImageInput
+from deltaserve.multimodal.prompt_images import ImageLike, place_images
 from deltaserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
@@ -45,7 +48,18 @@ from deltaserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+
+
+class MultiModalPrompt(TypedDict, total=False):
+    """vLLM's prompt dict: text or token ids, and `multi_modal_data={"image": image or [images]}` (PIL images,
+    uint8 RGB arrays or image file bytes), one `<|media_pad|>` in the prompt per image (widened to its tokens)."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    multi_modal_data: dict[str, ImageLike | list[ImageLike]]
+
+
+Prompt = str | Sequence[int] | MultiModalPrompt
 T = TypeVar("T")
 
 
@@ -95,7 +109,10 @@ class LLM:
             speculative_config=None if speculative_config is None else SpeculativeConfig.from_json(speculative_config),
             kv_transfer_config=None if kv_transfer_config is None else KVTransferConfig.from_json(kv_transfer_config),
         )
-        ModelConfig.from_pretrained(model)  # fail on a bad checkpoint config before reading anything else
+        vision = ModelConfig.from_pretrained(model).vision  # fails on a bad checkpoint config before anything else
+        self._vision = None if vision is None else (ImageProcessingConfig.for_vision(vision),
+                                                    vision.media_placeholder_token_id)
+        """How prompts' images are preprocessed and which token they replace (None: the model takes none)."""
         self.tokenizer = Tokenizer.from_pretrained(model)
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
@@ -143,7 +160,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids), all batched together.
+        """Generate for every prompt (a string, a list of token ids, or a `MultiModalPrompt` dict with images),
+        all batched together.
 
         Returns one RequestOutput per prompt, in order, each with `params.n` outputs. Bad arguments raise
         ValueError or TypeError before anything is queued (a request the engine core itself refuses raises the
@@ -151,47 +169,76 @@ class LLM:
         sequence the engine ends with an error (its grammar failed to compile) gets finish_reason "error"; a failed
         engine step raises its exception.
         """
-        if not isinstance(prompts, (str, list, tuple)):
-            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got "
+        if not isinstance(prompts, (str, list, tuple, dict)):
+            raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of those, got "
                             f"{type(prompts).__name__}")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompt_list: list[Prompt]
+        if isinstance(prompts, (str, dict)):
+            prompt_list = [prompts]
+        elif isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
+            prompt_list = [prompts]
+        else:
+            prompt_list = list(prompts)
         # Everything is checked before any request is queued: a failure half-way would leave requests behind.
-        params_list = _broadcast(SamplingParams() if sampling_params is None else sampling_params, len(prompts))
-        priorities = _priorities(priority, len(prompts))
-        encoded = [self._encode(p) for p in prompts]
+        params_list = _broadcast(SamplingParams() if sampling_params is None else sampling_params, len(prompt_list))
+        priorities = _priorities(priority, len(prompt_list))
+        encoded, images = [], []
+        for prompt in prompt_list:
+            ids, placed = self._encode(prompt)
+            encoded.append(ids)
+            images.append(placed)
         for ids in encoded:
             if self._core is not None:
                 self._core.validate_prompt(ids)
             else:
                 _validate_prompt(ids, self._client.info)
-        results = [RequestOutput(request_id=str(next(self._ids)), prompt=prompt if isinstance(prompt, str) else None,
+        results = [RequestOutput(request_id=str(next(self._ids)), prompt=_prompt_text(prompt),
                                  prompt_token_ids=ids, outputs=[], finished=False)
-                   for prompt, ids in zip(prompts, encoded, strict=True)]
+                   for prompt, ids in zip(prompt_list, encoded, strict=True)]
         start = time.perf_counter()
-        self._run(self._generate(results, params_list, priorities))
+        self._run(self._generate(results, params_list, priorities, images))
         for r in results:
             r.finished = True
         logger.debug("generated %d sequences in %.2f s", sum(len(r.outputs) for r in results),
                      time.perf_counter() - start)
         return results
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt) -> tuple[list[int], tuple[ImageInput, ...]]:
+        if isinstance(prompt, dict):
+            return self._encode_multimodal(prompt)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt), ()
         if not isinstance(prompt, (list, tuple)) or any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
-            raise TypeError(f"a prompt must be a string or a list of int token ids, got {prompt!r:.80}")
-        return list(prompt)
+            raise TypeError(f"a prompt must be a string, a list of int token ids or a prompt dict, got {prompt!r:.80}")
+        return list(prompt), ()
+
+    def _encode_multimodal(self, prompt: MultiModalPrompt) -> tuple[list[int], tuple[ImageInput, ...]]:
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise TypeError(f"a prompt dict has 'prompt' or 'prompt_token_ids' (one of them) and optionally "
+                            f"'multi_modal_data', got keys {sorted(prompt)}")
+        ids, _ = self._encode(prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"])
+        data = prompt.get("multi_modal_data") or {}
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data takes only 'image' here, got {data!r:.80}")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return ids, ()
+        if self._vision is None:
+            raise ValueError("multi_modal_data: this model has no vision tower: it cannot take images")
+        processing, placeholder_id = self._vision
+        return place_images(ids, images, processing, placeholder_id)
 
     async def _generate(self, results: list[RequestOutput], params_list: list[SamplingParams],
-                        priorities: list[int]) -> None:
+                        priorities: list[int], images: list[tuple[ImageInput, ...]]) -> None:
         """One task per output sequence, started in prompt order (so requests reach the engine in that order);
         the first task that fails cancels the others, whose streams abort their requests."""
         tasks = []
-        for result, params, priority in zip(results, params_list, priorities, strict=True):
+        for result, params, priority, placed in zip(results, params_list, priorities, images, strict=True):
             for seq in self._output.sequences(result.request_id, result.prompt_token_ids, params, self._processor):
                 result.outputs.append(CompletionOutput(index=seq.index, text="", token_ids=[], finish_reason=None))
-                tasks.append(asyncio.create_task(self._collect(result, seq, priority)))
+                tasks.append(asyncio.create_task(self._collect(result, seq, priority, placed)))
         if not tasks:
             return
         try:
@@ -207,15 +254,16 @@ class LLM:
     def _processor(self, params: SamplingParams) -> TextProcessor:
         return TextProcessor(self.tokenizer, params)
 
-    async def _collect(self, result: RequestOutput, seq: SequenceState, priority: int) -> None:
+    async def _collect(self, result: RequestOutput, seq: SequenceState, priority: int,
+                       images: tuple[ImageInput, ...]) -> None:
         """Fill `result.outputs[seq.index]` from the sequence's updates."""
         out = result.outputs[seq.index]
         texts: list[str] = []
         logprobs: list[TokenLogprobs | None] = []
         failure: BaseException | None = None
         try:
-            async with contextlib.aclosing(self._output.stream(seq, result.prompt_token_ids,
-                                                               priority=priority)) as updates:
+            async with contextlib.aclosing(self._output.stream(seq, result.prompt_token_ids, priority=priority,
+                                                               images=images)) as updates:
                 async for update in updates:
                     if seq.index == 0 and not out.token_ids:
                         result.num_cached_tokens = update.num_cached_tokens
@@ -289,6 +337,12 @@ def _shutdown(loop: asyncio.AbstractEventLoop, client: DPEngineClient) -> None:
     the interpreter's exit)."""
     if not loop.is_closed() and not loop.is_running():
         loop.run_until_complete(client.shutdown())
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    if isinstance(prompt, dict):
+        return prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _validate_prompt(ids: list[int], info: EngineInfo) -> None:

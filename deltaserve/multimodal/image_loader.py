@@ -53,6 +53,29 @@ def load_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> LoadedImage
     return LoadedImage(pixels=pixels, content_hash=image_content_hash(pixels))
 
 
+def load_pil_image(image: Image.Image | np.ndarray, max_pixels: int = DEFAULT_MAX_PIXELS) -> LoadedImage:
+    """A Pillow image (its first frame) or a ``[height, width, 3]`` uint8 RGB array, as `load_image` returns it.
+
+    Raises:
+        ImageError: `not_an_image` (another array shape or dtype), `zero_size`, `too_many_pixels`.
+    """
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ImageError("not_an_image", f"an image array must be [height, width, 3] uint8 RGB, got "
+                             f"{list(image.shape)} {image.dtype}")
+        image = Image.fromarray(image, "RGB")
+    width, height = image.size
+    if width == 0 or height == 0:
+        raise ImageError("zero_size", f"image has zero size ({width}x{height})")
+    if width * height > max_pixels:
+        raise ImageError("too_many_pixels",
+                         f"image has {width}x{height} = {width * height} pixels, more than the limit {max_pixels}")
+    image.seek(0)
+    pixels = np.asarray(_to_rgb(image), dtype=np.uint8)
+    pixels.setflags(write=False)
+    return LoadedImage(pixels=pixels, content_hash=image_content_hash(pixels))
+
+
 def _decode(data: bytes, max_pixels: int) -> Image.Image:
     try:
         with warnings.catch_warnings():

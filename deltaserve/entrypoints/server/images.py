@@ -18,6 +18,7 @@ from deltaserve.entrypoints.server.errors import bad_request
 from deltaserve.multimodal import ImageError, ImageProcessingConfig, ProcessedImage, load_image, preprocess_image
 from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.multimodal.media_fetch import FetchPolicy, fetch_image_bytes
+from deltaserve.multimodal.prompt_images import placeholder_runs
 
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.IGNORECASE)
 
@@ -105,15 +106,7 @@ class RequestImages:
         if not self.images:
             return ()
         assert self.support is not None
-        pad, runs, i = self.support.placeholder_id, [], 0
-        while i < len(prompt_ids):
-            if prompt_ids[i] == pad:
-                start = i
-                while i < len(prompt_ids) and prompt_ids[i] == pad:
-                    i += 1
-                runs.append((start, i - start))
-            else:
-                i += 1
+        runs = placeholder_runs(prompt_ids, self.support.placeholder_id)
         if [n for _, n in runs] != [image.num_tokens for image in self.images]:
             raise ValueError(f"the prompt's placeholder runs {[n for _, n in runs]} do not match its images' token "
                              f"counts {[image.num_tokens for image in self.images]}")
