@@ -64,6 +64,10 @@ class CacheConfig:
     host_cache_memory says otherwise) before its request starts. A failing store is a miss, never an error."""
     shared_cache_timeout_s: float = 1.0
     """The most one shared-store call waits before it counts as a miss."""
+    encoder_cache_memory: str | int = "512MiB"
+    """Memory for the encoder cache, per rank: projected image features by image content hash, reused by later
+    prefill chunks and later requests with the same image. Bytes ('512MiB'); 0 keeps none (the vision tower then
+    runs for every chunk that covers an image)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -96,6 +100,17 @@ class CacheConfig:
             raise ValueError(f"shared_cache_timeout_s must be > 0, got {self.shared_cache_timeout_s}")
         if self.host_cache_memory is not None:
             parse_memory(self.host_cache_memory, 1, "host_cache_memory")
+        self.encoder_cache_bytes  # noqa: B018 (checks the syntax now)
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        """`encoder_cache_memory` in bytes."""
+        if str(self.encoder_cache_memory).strip() == "0":
+            return 0
+        value = parse_memory(self.encoder_cache_memory, 0, "encoder_cache_memory")
+        if value == 0:  # a fraction (of no memory in particular)
+            raise ValueError(f"encoder_cache_memory={self.encoder_cache_memory!r}: expected bytes ('512MiB') or 0")
+        return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

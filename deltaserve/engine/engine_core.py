@@ -53,6 +53,9 @@ class StepStats:
     total_seconds: float = 0.0
     forward_seconds: float = 0.0
     host_copy_seconds: float = 0.0
+    images_encoded: int = 0
+    encoder_cache_hits: int = 0
+    encoder_seconds: float = 0.0
 
     @property
     def overhead_share(self) -> float:
@@ -371,6 +374,8 @@ class EngineCore:
             kv_transfer_received_state_bytes=self.transfer.received_state_bytes,
             kv_transfer_seconds=self.transfer.seconds, kv_transfer_failures=self.cache.remote_failures,
             kv_transfer_fallbacks=self.transfer.fallbacks + self.cache.remote_skipped,
+            images_encoded=self.stats.images_encoded, encoder_cache_hits=self.stats.encoder_cache_hits,
+            encoder_seconds=self.stats.encoder_seconds,
         )
 
     def step(self) -> list[EngineCoreOutput]:
@@ -399,6 +404,9 @@ class EngineCore:
         self.stats.total_seconds += elapsed
         self.stats.forward_seconds += result.forward_seconds
         self.stats.host_copy_seconds += result.host_copy_seconds
+        self.stats.images_encoded += result.encoder.images_encoded
+        self.stats.encoder_cache_hits += result.encoder.cache_hits
+        self.stats.encoder_seconds += result.encoder.seconds
         sent = self.transfer.add(result.transfer, self.config.parallel.world_size)
         if self.step_observer is not None:
             self.step_observer(out, elapsed)

@@ -76,3 +76,10 @@ class EngineStats:
     kv_transfer_fallbacks: int = 0
     """Requests with kv_transfer_params computed locally without a fetch: the local cache held the prefix, the host
     tier had no room, or the transfer was for another prompt (cumulative)."""
+    images_encoded: int = 0
+    """Images the vision tower ran on (cumulative)."""
+    encoder_cache_hits: int = 0
+    """Image lookups the encoder cache answered, one per image per step that computes some of its placeholders
+    (cumulative); lookups are this plus `images_encoded`."""
+    encoder_seconds: float = 0.0
+    """Time in the vision tower and projector (cumulative)."""

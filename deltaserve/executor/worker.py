@@ -106,7 +106,8 @@ class Worker:
                                   max_num_tokens=self.config.scheduler.max_num_batched_tokens,
                                   num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots)
         if self.vision is not None:
-            self.runner.images = ImageEmbedder(self.vision, EncoderCache(), getattr(torch, self.config.dtype))
+            self.runner.images = ImageEmbedder(self.vision, EncoderCache(self.config.cache.encoder_cache_bytes),
+                                             getattr(torch, self.config.dtype))
         store = open_shared_store(self.config)
         if store is not None:
             self.runner.shared = SharedStoreIO(store, self.rank, self.config.parallel.world_size)

@@ -4,6 +4,8 @@ in the encoder cache (all of them in one call) and returns those rows with their
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from deltaserve.models.kimi_vision import KimiVisionModel
 from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.runner.encoder_cache import EncoderCache
-from deltaserve.scheduler.output import ScheduledChunk
+from deltaserve.scheduler.output import EncoderStepStats, ScheduledChunk
 
 
 class ImageEmbedder:
@@ -25,6 +27,13 @@ class ImageEmbedder:
         """Images the vision tower ran on (an image found in the encoder cache is not counted)."""
         self.encoder_calls = 0
         """Vision tower forwards (one per step that had any image to encode)."""
+        self.step = EncoderStepStats()
+        """What the current step did (`take_step_stats` hands it over and starts the next)."""
+
+    def take_step_stats(self) -> EncoderStepStats:
+        """The counts since the last call."""
+        stats, self.step = self.step, EncoderStepStats()
+        return stats
 
     def embeds(self, chunks: Sequence[ScheduledChunk], cu_seqlens: Sequence[int],
                images_of: Callable[[str], tuple[ImageInput, ...]]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -59,7 +68,9 @@ class ImageEmbedder:
                 missing[image.content_hash] = image
             else:
                 found[image.content_hash] = cached
+        self.step = dataclasses.replace(self.step, cache_hits=self.step.cache_hits + len(found))
         if missing:
+            start = time.perf_counter()
             todo = list(missing.values())
             pixels = torch.from_numpy(np.concatenate([image.pixel_array() for image in todo]))
             out = self.model(pixels.to(self.device, self.model.dtype), [image.grid_thw for image in todo])
@@ -75,4 +86,6 @@ class ImageEmbedder:
                 offset += n
                 self.cache.put(image.content_hash, features)
                 found[image.content_hash] = features
+            self.step = dataclasses.replace(self.step, images_encoded=self.step.images_encoded + len(todo),
+                                            seconds=self.step.seconds + time.perf_counter() - start)
         return found

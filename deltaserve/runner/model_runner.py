@@ -23,7 +23,14 @@ from deltaserve.runner.kv_tensors import allocate_layer_caches
 from deltaserve.runner.kv_transfer_io import KVTransferIO
 from deltaserve.runner.sampler import DraftToken, SamplingRow, TokenBitmask, sample
 from deltaserve.runner.shared_io import SharedStoreIO
-from deltaserve.scheduler.output import NewRequestData, RunnerOutput, SampledToken, ScheduledChunk, SchedulerOutput
+from deltaserve.scheduler.output import (
+    EncoderStepStats,
+    NewRequestData,
+    RunnerOutput,
+    SampledToken,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 
 
 @dataclass(slots=True)
@@ -111,7 +118,8 @@ class ModelRunner:
                 sampled = self._sample(logits, chunks, out)
         return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
                             forward_seconds=self.last_forward_seconds, host_copy_seconds=host_seconds,
-                            shared_fetched=fetched, transfer=transfer)
+                            shared_fetched=fetched, transfer=transfer,
+                            encoder=EncoderStepStats() if self.images is None else self.images.take_step_stats())
 
     def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], out: SchedulerOutput
                 ) -> dict[str, list[SampledToken]]:

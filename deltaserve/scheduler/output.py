@@ -103,6 +103,18 @@ class SampledToken:
     logprobs: TokenLogprobs | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EncoderStepStats:
+    """What the vision side did in one step."""
+
+    images_encoded: int = 0
+    """Images the vision tower ran on."""
+    cache_hits: int = 0
+    """Images of the step's chunks whose features the encoder cache held (one lookup per image per step)."""
+    seconds: float = 0.0
+    """Time in the vision tower and projector."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunnerOutput:
     """What one executed step produced: tokens for every chunk with `sample` set."""
@@ -121,3 +133,5 @@ class RunnerOutput:
     """Per fetch of `SchedulerOutput.shared_ops`, in order: whether every rank got its part (checked entries)."""
     transfer: TransferResult | None = None
     """The step's disaggregation transfers (None when it had none)."""
+    encoder: EncoderStepStats = EncoderStepStats()
+    """The step's image encoding."""

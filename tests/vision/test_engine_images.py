@@ -117,6 +117,19 @@ def test_encoder_cache_runs_the_tower_once_per_image(k3_path, placeholder, image
         assert run(engine, {rid: (image_prompt(placeholder, im), (im,))})[rid] == alone["shapes"]
     assert embedder.images_encoded == 1 and embedder.encoder_calls == 1
     assert embedder.cache.hits > 0
+    stats = engine.get_stats()  # the engine's counters (metrics) see the same
+    assert stats.images_encoded == 1 and stats.encoder_cache_hits == embedder.cache.hits
+    assert stats.encoder_seconds > 0
+
+
+def test_without_the_encoder_cache_the_tower_runs_per_chunk(k3_path, placeholder, images, alone):
+    """encoder_cache_memory=0: every chunk over the image runs the tower again; the output is the same."""
+    engine = core(k3_path, budget=7, prefix=False, encoder_cache_memory=0)
+    im = images["shapes"]
+    assert run(engine, {"a": (image_prompt(placeholder, im), (im,))})["a"] == alone["shapes"]
+    stats = engine.get_stats()
+    # 20 placeholders at offset 10 in chunks of 7 tokens: chunks 1..4 (tokens 7..34) cover them
+    assert stats.images_encoded == 4 and stats.encoder_cache_hits == 0
 
 
 def test_prefix_cache_separates_images_and_hits_the_same_image(k3_path, placeholder, images, alone):

@@ -111,6 +111,10 @@ def test_openai_image_request_answers_and_counts_image_tokens(server, oa):
     # The image adds its 6 placeholders and the 4 marker tokens around them (and "image", one token or more).
     assert with_image - _text_tokens(server, [{"role": "user", "content": text}]) >= 6 + 4
     assert _openai_image(oa, _data_url(JPEG, "jpeg")).choices[0].message is not None
+    # the vision metrics: each image encoded once (a repeat is an encoder-cache hit, or a prefix-cache hit)
+    assert server.metric("images_encoded_total") >= 2
+    assert server.metric("encoder_cache_queries_total") >= server.metric("encoder_cache_hits_total") + 2
+    assert server.metric("encoder_seconds_total") > 0
 
 
 def test_openai_streams_an_image_request(oa):

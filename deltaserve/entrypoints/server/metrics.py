@@ -129,6 +129,12 @@ class _EngineStatsCollector:
                     self.snapshot.age_s or 0.0)
         yield from _spec_decode_counters(s, labels)
         yield from _kv_transfer_counters(s, labels)
+        yield counter("encoder_cache_queries", "Image lookups in the encoder cache (one per image per step that "
+                      "computes some of its placeholder tokens).", s.encoder_cache_hits + s.images_encoded)
+        yield counter("encoder_cache_hits", "Image lookups the encoder cache answered (the vision tower not run).",
+                      s.encoder_cache_hits)
+        yield counter("images_encoded", "Images the vision tower ran on.", s.images_encoded)
+        yield counter("encoder_seconds", "Time in the vision tower and projector.", s.encoder_seconds)
 
 
 class ReplicaCollector:
