@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         spec,
         sweep,
         trace_replay,
+        vision,
     )
     from deltaserve.config import CacheConfig, MediaConfig, ParallelConfig, SchedulerConfig, ServerConfig
     from deltaserve.entrypoints.router import commands as router_commands
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for module in (offline, trace_replay, followup, http_overhead, executor_overhead, parallel, memory_plan, serve,
-                   sweep, spec, cpu, disagg):
+                   sweep, spec, cpu, disagg, vision):
         module.add_parser(bench_sub)
     return parser
 
