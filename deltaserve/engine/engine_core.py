@@ -75,15 +75,16 @@ class TransferCounters:
     fallbacks: int = 0
 
     def add(self, result: TransferResult | None, world_size: int) -> set[str]:
-        """Count one step's transfers (rank 0's bytes times the ranks: every rank moves an equal part); returns
-        the requests whose cache was published."""
+        """Count one step's transfers (rank 0's: the KV bytes of all ranks together, each block moved by one rank;
+        its state bytes times the ranks, every rank moving its heads' equal part); returns the requests whose cache
+        was published."""
         if result is None:
             return set()
         self.sent += len(result.sent)
         for kv, state in result.sent.values():
-            self.sent_kv_bytes += kv * world_size
+            self.sent_kv_bytes += kv
             self.sent_state_bytes += state * world_size
-        self.received_kv_bytes += result.received[0] * world_size
+        self.received_kv_bytes += result.received[0]
         self.received_state_bytes += result.received[1] * world_size
         self.seconds += result.seconds
         return set(result.sent)

@@ -119,7 +119,11 @@ class Worker:
                 namespace=shared_namespace(self.config), rank=self.rank, size=self.config.parallel.world_size,
                 block_size=layout.block_size, server=self.transfer_server,
                 client=make_client(kv) if kv.is_consumer else None, timeout_s=kv.transfer_timeout_s,
-                ttl_s=kv.transfer_ttl_s)
+                ttl_s=kv.transfer_ttl_s, all_gather=self._all_gather_bytes)
+
+    def _all_gather_bytes(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D `x`, concatenated in rank order, on the host (through the device when NCCL needs it)."""
+        return self.group.all_gather(x.to(self.device), dim=0).cpu()
 
     def _on_every_rank(self, flags: list[bool]) -> list[bool]:
         """Per flag, whether it is set on every rank (an all-reduce of the ranks that miss it)."""

@@ -2,6 +2,11 @@
 state and conv window after its prompt, this rank's part) on the rank's transfer server, and fetch another
 instance's into the host tier.
 
+With tensor parallelism the MLA latent cache is whole on every rank, so each block crosses the network once:
+rank r publishes and fetches blocks r, r + size, ... and the decode side's ranks all-gather the blocks they fetched
+(over the tensor-parallel group: NVLink or the host, not the network). The KDA state is split by heads: each rank
+moves its own.
+
 Each payload is framed as a `kvstore.entry` (the cache layout's namespace, the transfer id and rank, the length and
 a CRC-32), so a payload cut short, altered, or from an instance with another model, dtype, block size or
 tensor-parallel split is refused on arrival, whatever the transport; the request is then recomputed."""
@@ -11,7 +16,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import torch
 
 from deltaserve.cache.remote import RemoteFetch, TransferResult
 from deltaserve.kvstore.entry import decode_entry, encode
@@ -28,14 +35,22 @@ class KVTransferIO:
     (None on a prefill-only instance)."""
 
     def __init__(self, *, namespace: str, rank: int, size: int, block_size: int, server: TransferServer | None,
-                 client: TransferClient | None, timeout_s: float, ttl_s: float) -> None:
-        self.namespace, self.rank, self.suffix = namespace, rank, rank_suffix(rank, size)
+                 client: TransferClient | None, timeout_s: float, ttl_s: float,
+                 all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`all_gather`: the tensor-parallel group's all-gather of a 1-D uint8 tensor (every rank's, concatenated in
+        rank order); needed when `size` > 1 on a consumer."""
+        self.namespace, self.rank, self.size, self.suffix = namespace, rank, size, rank_suffix(rank, size)
         self.block_size, self.server, self.client = block_size, server, client
         self.timeout_s, self.ttl_s = timeout_s, ttl_s
+        self.all_gather = all_gather
+        if size > 1 and client is not None and all_gather is None:
+            raise ValueError("a tensor-parallel consumer needs the group's all_gather")
 
     def fetch(self, fetches: Sequence[RemoteFetch], caches: Sequence[LayerCache],
               host_caches: Sequence[LayerCache] | None) -> TransferResult:
-        """Before the step's forward: each fetch into its reserved `host_caches` entries (`caches` give the sizes)."""
+        """Before the step's forward: each fetch into its reserved `host_caches` entries (`caches` give the sizes).
+        `received`: the KV bytes written on every rank (each block fetched by one rank) and this rank's state bytes.
+        Every rank makes the same collective calls whatever it fetched."""
         start = time.perf_counter()
         kv = state = 0
         fetched = []
@@ -48,7 +63,7 @@ class KVTransferIO:
 
     def publish(self, sends: Sequence[ScheduledChunk], caches: Sequence[LayerCache]) -> dict[str, tuple[int, int]]:
         """After the forward: publish the device caches of `sends` (chunks that ended a prefill request's prompt);
-        per request, (KV bytes, state bytes) of this rank's payload."""
+        per request, (KV bytes published by all ranks together, state bytes of this rank's payload)."""
         return {c.request_id: self._send(c, caches) for c in sends if c.kv_send is not None}
 
     def _send(self, chunk: ScheduledChunk, caches: Sequence[LayerCache]) -> tuple[int, int]:
@@ -56,15 +71,50 @@ class KVTransferIO:
             raise RuntimeError("a cache to publish, but this instance is not a kv_producer")
         assert chunk.kv_send is not None
         num_tokens = chunk.num_computed_tokens + len(chunk.new_token_ids)
-        blocks = pack_many(caches, "kv", chunk.block_ids[:math.ceil(num_tokens / self.block_size)])
+        block_ids = chunk.block_ids[:math.ceil(num_tokens / self.block_size)]
+        blocks = pack_many(caches, "kv", block_ids[self.rank::self.size])
         state = pack(caches, "state", chunk.state_slot)
         key = chunk.kv_send + self.suffix
         self.server.publish(key, encode(self.namespace, key, blocks + state, ttl_s=self.ttl_s))
-        return len(blocks), len(state)
+        return len(block_ids) * entry_bytes(caches, "kv"), len(state)
 
     def _fetch(self, f: RemoteFetch, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
                ) -> tuple[int, int] | None:
-        """(KV bytes, state bytes) written, or None when the payload did not arrive whole and checked."""
+        """(KV bytes written on all ranks, state bytes written here), or None when some payload did not arrive
+        whole and checked."""
+        block_bytes = entry_bytes(caches, "kv")
+        wanted = [(index, host_id) for kind, index, host_id in f.parts if kind == "kv"]
+        own = self._own_payload(f, caches, host_caches)
+        if own is None:
+            mine = None
+        else:
+            view = memoryview(own)
+            # This rank's payload holds blocks rank, rank + size, ...: block i is its (i // size)-th.
+            mine = b"".join(view[(i // self.size) * block_bytes:(i // self.size + 1) * block_bytes]
+                            for i, _ in sorted(wanted, key=self._gather_order) if i % self.size == self.rank)
+        blocks = self._exchange(wanted, mine, block_bytes) if self.size > 1 else mine
+        if own is None or blocks is None or host_caches is None:
+            return None
+        if not unpack_many(blocks, host_caches, "kv", [h for _, h in sorted(wanted, key=self._gather_order)]):
+            return None
+        states = [host_id for kind, _, host_id in f.parts if kind == "state"]
+        for host_id in states:
+            if not unpack(memoryview(own)[self._own_blocks(f.num_blocks) * block_bytes:], host_caches, "state",
+                          host_id):
+                return None
+        return len(wanted) * block_bytes, len(states) * entry_bytes(caches, "state")
+
+    def _own_blocks(self, num_blocks: int) -> int:
+        """Blocks of a `num_blocks` payload this rank publishes and fetches."""
+        return len(range(self.rank, num_blocks, self.size))
+
+    def _gather_order(self, part: tuple[int, int]) -> tuple[int, int]:
+        """Where a wanted block's bytes sit after `_exchange`: by owning rank, then in order."""
+        return part[0] % self.size, part[0]
+
+    def _own_payload(self, f: RemoteFetch, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
+                     ) -> bytes | memoryview | None:
+        """This rank's payload (its blocks, then its state), checked; None when it did not arrive whole."""
         if self.client is None or host_caches is None or self.rank >= len(f.addresses):
             return None
         key = f.transfer_id + self.suffix
@@ -74,23 +124,26 @@ class KVTransferIO:
             return None
         payload, refusal = decode_entry(raw, self.namespace, key)
         block_bytes, state_bytes = entry_bytes(caches, "kv"), entry_bytes(caches, "state")
-        if payload is None or len(payload) != f.num_blocks * block_bytes + state_bytes:
-            why = refusal.value if refusal is not None else f"{len(payload or b'')} bytes, expected " \
-                f"{f.num_blocks} blocks of {block_bytes} + a state of {state_bytes}"
+        expected = self._own_blocks(f.num_blocks) * block_bytes + state_bytes
+        if payload is None or len(payload) != expected:
+            why = refusal.value if refusal is not None else f"{len(payload or b'')} bytes, expected {expected}"
             logger.warning("transfer %s refused (%s): recomputing", key, why)
             return None
-        view = memoryview(payload)
-        blocks = [(index, host_id) for kind, index, host_id in f.parts if kind == "kv"]
-        # The wanted blocks are usually a run (the tail the decode side lacks): one gather-free slice then.
-        indices = [i for i, _ in blocks]
-        if indices and indices == list(range(indices[0], indices[0] + len(indices))):
-            data: bytes | memoryview = view[indices[0] * block_bytes:(indices[-1] + 1) * block_bytes]
-        else:
-            data = b"".join(view[i * block_bytes:(i + 1) * block_bytes] for i in indices)
-        if not unpack_many(data, host_caches, "kv", [h for _, h in blocks]):
+        return payload
+
+    def _exchange(self, wanted: list[tuple[int, int]], mine: bytes | None, block_bytes: int) -> bytes | None:
+        """Every rank's wanted blocks, ordered by `_gather_order`, from an all-gather of what each rank fetched
+        (a flag byte, then its blocks, padded to the largest share); None on every rank when any rank's fetch
+        failed."""
+        assert self.all_gather is not None
+        counts = [sum(1 for i, _ in wanted if i % self.size == r) for r in range(self.size)]
+        width = 1 + max(counts) * block_bytes
+        local = torch.zeros(width, dtype=torch.uint8)
+        if mine is not None:
+            local[0] = 1
+            if mine:
+                local[1:1 + len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        every = self.all_gather(local).reshape(self.size, width)
+        if not bool(every[:, 0].all()):
             return None
-        states = [host_id for kind, _, host_id in f.parts if kind == "state"]
-        for host_id in states:
-            if not unpack(view[f.num_blocks * block_bytes:], host_caches, "state", host_id):
-                return None
-        return len(blocks) * block_bytes, len(states) * state_bytes
+        return b"".join(every[r, 1:1 + counts[r] * block_bytes].numpy().tobytes() for r in range(self.size))

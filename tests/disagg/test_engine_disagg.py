@@ -7,6 +7,7 @@ decode side starts from; and nothing leaks."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -241,20 +242,39 @@ def test_k3_disaggregated_equals_unified(tiny_dir):
 
 
 def test_tensor_parallel_disaggregated_equals_unified(tiny_dir):
-    """TP=2 on both sides (worker processes): each rank publishes and fetches its own heads' state and its part of
-    the blocks, and the decode side uses a transfer only when both ranks got theirs."""
+    """TP=2 on both sides (worker processes): each rank publishes and fetches its own heads' state and every other
+    block (the latent cache is whole on each rank: each block moves once, the decode ranks all-gather them), and
+    the decode side uses a transfer only when both ranks got theirs. The bytes moved are those of one rank."""
     from deltaserve.config import ParallelConfig
 
     path = str(tiny_dir("base"))
     tp2 = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp")
-    cores = engine(path, "kv_producer", parallel=tp2), engine(path, "kv_consumer", parallel=tp2), engine(path, None)
+    cores = (engine(path, "kv_producer", parallel=tp2), engine(path, "kv_consumer", parallel=tp2), engine(path, None),
+             engine(path, "kv_producer"))
     try:
-        prompt = prompt_ids(600, 45, seed=99)
+        prompt = prompt_ids(600, 45, seed=99)  # 44 tokens transferred: 3 blocks of 16, the last one partial
         _, params, _ = run(cores[0], "tp", prompt, kv_transfer_params={"do_remote_decode": True})
         assert params is not None and len(params["remote_addresses"]) == 2
         got, _, cached = run(cores[1], "td", prompt, kv_transfer_params=params)
         assert got == run(cores[2], "tu", prompt)[0] and cached == len(prompt) - 1
         assert cores[1].get_stats().kv_transfer_received == 1
+        run(cores[3], "t1", prompt, kv_transfer_params={"do_remote_decode": True})
+        sent, sent_tp1, received = cores[0].get_stats(), cores[3].get_stats(), cores[1].get_stats()
+        assert sent.kv_transfer_sent_kv_bytes == sent_tp1.kv_transfer_sent_kv_bytes > 0
+        assert sent.kv_transfer_sent_state_bytes == sent_tp1.kv_transfer_sent_state_bytes > 0
+        assert received.kv_transfer_received_kv_bytes == sent_tp1.kv_transfer_sent_kv_bytes
+        assert received.kv_transfer_received_state_bytes == sent_tp1.kv_transfer_sent_state_bytes
+        # rank 1's producer unreachable, rank 0's fine: neither rank uses the transfer (no hang), recomputed
+        other = prompt_ids(600, 45, seed=98)
+        _, params, _ = run(cores[0], "tp2", other, kv_transfer_params={"do_remote_decode": True})
+        assert params is not None
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            dead = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        params = {**params, "remote_addresses": [params["remote_addresses"][0], dead]}
+        got, _, cached = run(cores[1], "td2", other, kv_transfer_params=params)
+        assert got == run(cores[2], "tu2", other)[0] and cached == 0
+        assert cores[1].get_stats().kv_transfer_failures == 1
     finally:
         for core in cores:
             core.shutdown()
