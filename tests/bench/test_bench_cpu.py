@@ -10,6 +10,7 @@ import pytest
 from deltaserve.bench.cpu import REPO, CpuBenchArgs, run
 
 
+@pytest.mark.slow  # CI time: builds a baseline commit
 def test_bench_cpu_against_a_baseline_commit(tiny_dir):
     if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")

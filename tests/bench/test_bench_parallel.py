@@ -32,6 +32,7 @@ def test_wider_expert_group_halves_the_expert_bytes():
         plan(MemoryPlanArgs(tensor_parallel_size=8, gpu_memory_gib=192))
 
 
+@pytest.mark.slow  # CI time
 def test_bench_parallel_reports_both_engines(capsys):
     r = bench_parallel(ParallelBenchArgs(num_prompts=2, input_len=8, output_len=4, rounds=1, num_threads=1))
     assert set(r["ms_per_step"]) == {"uni TP=1", "mp TP=1", "mp TP=2"}

@@ -158,6 +158,7 @@ def test_spec_decode_section_only_when_drafts_were_verified():
     assert "Position 0:" in text and "75.00" in text and "Position 1:" in text
 
 
+@pytest.mark.slow  # CI time
 def test_bench_serve_reports_acceptance_of_a_speculative_server(tiny_dir, tmp_path, capsys):
     """Against `deltaserve serve --speculative-config` (n-gram), `bench serve` reports the acceptance length,
     rate and per-position acceptance of its own run (from /metrics before and after) in the JSON and the table."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from deltaserve.default_model import default_model_dir
@@ -26,6 +27,7 @@ def _train(tmp: Path, name: str, seed: int) -> tuple[Path, str]:
     return out, proc.stdout
 
 
+@pytest.mark.slow  # CI time: the training script, not the server
 def test_few_steps_are_deterministic_and_show_progress(tmp_path: Path):
     a, log = _train(tmp_path, "a", seed=3)
     b, _ = _train(tmp_path, "b", seed=3)

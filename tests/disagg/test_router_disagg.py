@@ -122,6 +122,7 @@ def test_32_concurrent_requests_complete_and_leave_nothing_held(cell):
         wait_until(lambda s=server: idle(s), f"{server.url} to hold no blocks or slots")
 
 
+@pytest.mark.slow  # CI time: K3 disaggregation stays in CI at the engine level
 def test_k3_through_one_prefill_and_one_decode(tiny_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("disagg-router-k3")
     servers: list[LiveServer] = []

@@ -54,7 +54,9 @@ def single(path: str, reqs: dict[str, list[int]]) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize(("variant", "tp", "ep"), [
     ("base", 2, False), ("base", 4, False), ("qlora-2shared-bsmoe", 2, False), ("no-dense-4groups", 2, True),
-    ("base", 2, True), ("k3", 2, False), ("k3", 4, False), ("k3", 2, True), ("k3-gpt-oss", 2, False),
+    ("base", 2, True), ("k3", 2, False),
+    pytest.param("k3", 4, False, marks=pytest.mark.slow),  # CI time: base at 4 ranks stays
+    ("k3", 2, True), ("k3-gpt-oss", 2, False),
     ("k3-gpt-oss", 2, True),
 ])
 def test_parallel_greedy_equals_one_rank(tiny_dir, variant, tp, ep):

@@ -150,6 +150,7 @@ def test_step_copies_to_host(tiny_dir, dtype):
     assert counts == [expected] * 9, counts
 
 
+@pytest.mark.slow  # CI time
 def test_bench_offline_on_emulated_h200(tiny_dir):
     """`bench offline --device cuda` end to end, transformers baseline included, with the roofline computed against
     the H200 figures (the timings are the CPU's, so the share itself means nothing here)."""

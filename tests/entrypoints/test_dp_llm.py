@@ -38,6 +38,7 @@ def test_llm_data_parallel_gives_the_greedy_outputs_of_one_engine(tiny_dir, monk
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref[:2]]
 
 
+@pytest.mark.slow  # CI time: DP and TP each stay in CI
 def test_llm_data_parallel_replicas_can_be_tensor_parallel(tiny_dir, monkeypatch: pytest.MonkeyPatch):
     """DP=2 x TP=2 (two engine processes, each with two gloo worker ranks) gives the greedy outputs of one TP=2
     engine."""

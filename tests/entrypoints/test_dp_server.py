@@ -147,11 +147,15 @@ def test_an_anthropic_session_by_metadata_user_id_stays_on_its_replica(dp2):
     assert second["usage"]["cache_read_input_tokens"] >= first["usage"]["input_tokens"] // BLOCK * BLOCK > 0
 
 
+LONG_TOKENS = 600
+"""Long enough that every request is still running when the victim is killed (they are all seen in flight first)."""
+
+
 def test_a_killed_replica_fails_its_requests_cleanly_and_the_survivor_serves(tiny_dir, tmp_path_factory):
     server = start_server(tiny_dir("base"), tmp_path_factory.mktemp("dp-kill"), *ARGS, "--data-parallel-size", "2")
     try:
         client = sdk(server)
-        long = dict(model=server.model, max_tokens=1500, temperature=0, extra_body={"ignore_eos": True})
+        long = dict(model=server.model, max_tokens=LONG_TOKENS, temperature=0, extra_body={"ignore_eos": True})
         # Two streams and two plain requests, one of each per replica (least loaded), all in flight.
         streams = [client.completions.create(prompt=f"Stream {i} begins", stream=True, user=f"session-{i}", **long)
                    for i in range(2)]
@@ -181,7 +185,7 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_the_survivor_serves(tin
             except openai.APIStatusError as exc:
                 plain_errors.append(exc)
             else:
-                assert resp.usage.completion_tokens == 1500
+                assert resp.usage.completion_tokens == LONG_TOKENS
         pool.shutdown()
         assert len(plain_errors) == 1 and plain_errors[0].status_code == 503
         assert plain_errors[0].body["code"] == "engine_dead"
@@ -217,6 +221,7 @@ def test_the_server_exits_with_status_1_once_every_replica_is_dead(tiny_dir, tmp
         stop_server(server)
 
 
+@pytest.mark.slow  # CI time (as the one-engine --restart-engine test)
 def test_restart_engine_restarts_a_dead_replica(tiny_dir, tmp_path_factory):
     server = start_server(tiny_dir("base"), tmp_path_factory.mktemp("dp-restart"), *ARGS, "--data-parallel-size",
                           "2", "--restart-engine")

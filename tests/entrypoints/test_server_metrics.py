@@ -62,6 +62,7 @@ def _scrape(url: str) -> tuple[str, float]:
     return resp.text, time.monotonic() - start
 
 
+@pytest.mark.slow  # CI time
 def test_metrics_answer_from_the_last_snapshot_while_the_engine_is_stopped(tiny_dir, tmp_path):
     live = start_server(tiny_dir("base"), tmp_path, "--max-model-len", "512")
     try:

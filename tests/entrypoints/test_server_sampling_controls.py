@@ -91,6 +91,7 @@ def test_bad_sampling_controls_are_400(server, extra, param):
     _openai_error(_post(server, "/v1/completions", body), 400, param)
 
 
+@pytest.mark.slow  # CI time: the scheduler's priority tests stay in CI
 def test_priority_orders_the_queue_on_a_priority_server(tiny_dir, tmp_path, server):
     """vLLM's request priority: with --policy priority and room for one sequence, a request sent later with a lower
     priority value finishes before an earlier one; on a first-come server a non-zero priority is a 400."""

@@ -386,6 +386,7 @@ def test_soak(tiny_dir, tmp_path, spec):
         stop_server(server)
 
 
+@pytest.mark.slow  # CI time; the engine-level leak and preemption tests stay in CI
 def test_soak_small(tiny_dir, tmp_path):
     """The soak's properties over a fixed 40 requests from 4 clients (every scenario, burst included)."""
     server = start_server(tiny_dir("base"), tmp_path, *SERVER_ARGS)

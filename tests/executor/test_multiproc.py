@@ -41,7 +41,7 @@ def path(tiny_dir):
     return str(tiny_dir("base"))
 
 
-@pytest.mark.parametrize("variant", ["base", "odd-sizes", "k3"])
+@pytest.mark.parametrize("variant", ["base", pytest.param("odd-sizes", marks=pytest.mark.slow), "k3"])  # CI time
 def test_one_worker_process_equals_in_process(tiny_dir, variant):
     path = str(tiny_dir(variant))
     reqs = {
@@ -81,6 +81,7 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow  # CI time: the data-parallel server's death tests cover the exit
 def test_server_with_a_worker_process_serves_and_exits_on_its_death(tiny_dir, tmp_path):
     server = start_server(tiny_dir("base"), tmp_path, "--distributed-executor-backend", "mp")
     try:

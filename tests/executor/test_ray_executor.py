@@ -87,6 +87,7 @@ def cluster(_ray_environment) -> Iterator[str]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow  # CI time: the Ray cluster test covers the executor
 def test_tp1_on_a_local_ray_instance_equals_in_process(tiny_dir):
     """No address: the executor starts a local Ray instance, and stops it at shutdown (it started it)."""
     path = str(tiny_dir("base"))
@@ -150,6 +151,7 @@ def test_failed_call_then_killed_actor(tiny_dir, cluster, monkeypatch):
     assert not ray.is_initialized()
 
 
+@pytest.mark.slow  # CI time: waits out Ray's connection timeout
 def test_unreachable_ray_address_is_a_one_line_error(tiny_dir):
     """Nothing listening, or a listener that never answers: a ConnectionError naming the address, in one line,
     before Ray is started or retried; a malformed address is a ValueError. `deltaserve serve`: one line, status 2."""

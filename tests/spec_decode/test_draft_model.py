@@ -117,7 +117,7 @@ def test_draft_equal_to_target_is_always_fully_accepted(target):
     assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens <= proposed
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [24, 7])
+@pytest.mark.parametrize("max_num_batched_tokens", [24, pytest.param(7, marks=pytest.mark.slow)])  # CI time
 def test_different_draft_keeps_greedy_outputs(target, draft, max_num_batched_tokens):
     requests = mixed_requests(8)
     cfg = config(target, max_num_batched_tokens=max_num_batched_tokens)

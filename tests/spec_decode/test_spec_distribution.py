@@ -226,7 +226,8 @@ def plain(path, one_thread) -> list[list[int]]:
     return plain_run(path, NUM_SEEDS)
 
 
-@pytest.mark.parametrize("conditional", [False, True], ids=["context_free_q", "conditional_q"])
+@pytest.mark.parametrize("conditional", [False, pytest.param(True, marks=pytest.mark.slow)],  # CI time
+                         ids=["context_free_q", "conditional_q"])
 def test_speculation_keeps_the_distribution_of_the_first_tokens(path, plain, one_thread, conditional):
     check_same_distribution(path, plain, k=2, conditional=conditional)
 

@@ -87,7 +87,7 @@ def test_the_image_changes_the_output_and_text_only_is_not_the_image(k3_path, pl
     assert text_only not in (alone["shapes"], alone["noise"])
 
 
-@pytest.mark.parametrize("budget", [7, 16, 23])
+@pytest.mark.parametrize("budget", [7, pytest.param(16, marks=pytest.mark.slow), 23])  # CI time
 def test_chunked_prefill_that_splits_the_image_batched_with_text(k3_path, placeholder, images, alone, budget):
     """A small token budget splits the image over several steps (chunks starting and ending inside it); text-only
     requests run in the same steps; outputs equal the unchunked, unbatched run."""
