@@ -89,4 +89,5 @@ def borrow_and_stall(address: str, transfer_id: str, pipe: Connection) -> None:
     channel = Channel(parse_address(address), Deadline(3600.0))
     status, length = channel.ask(Op.LEND, transfer_id)
     pipe.send((int(status), channel.read_small(length)))
-    pipe.recv()  # never sent: the test kills this process or lets the producer time it out
+    # Not pipe.recv(): the test's end of the pipe may be closed meanwhile, and EOF would end this process early.
+    threading.Event().wait()  # the test kills this process or lets the producer time it out
