@@ -64,12 +64,7 @@ def load_pil_image(image: Image.Image | np.ndarray, max_pixels: int = DEFAULT_MA
             raise ImageError("not_an_image", f"an image array must be [height, width, 3] uint8 RGB, got "
                              f"{list(image.shape)} {image.dtype}")
         image = Image.fromarray(image, "RGB")
-    width, height = image.size
-    if width == 0 or height == 0:
-        raise ImageError("zero_size", f"image has zero size ({width}x{height})")
-    if width * height > max_pixels:
-        raise ImageError("too_many_pixels",
-                         f"image has {width}x{height} = {width * height} pixels, more than the limit {max_pixels}")
+    _check_size(image, max_pixels)
     image.seek(0)
     pixels = np.asarray(_to_rgb(image), dtype=np.uint8)
     pixels.setflags(write=False)
@@ -90,18 +85,22 @@ def _decode(data: bytes, max_pixels: int) -> Image.Image:
         raise ImageError("not_an_image", f"data is not a {', '.join(FORMATS[:-1])} or {FORMATS[-1]} image") from None
     except (OSError, SyntaxError, ValueError, EOFError, struct.error) as e:
         raise ImageError("truncated", f"image data is truncated or corrupt ({e})") from None
-    width, height = image.size
-    if width == 0 or height == 0:
-        raise ImageError("zero_size", f"image has zero size ({width}x{height})")
-    if width * height > max_pixels:
-        raise ImageError("too_many_pixels",
-                         f"image has {width}x{height} = {width * height} pixels, more than the limit {max_pixels}")
+    _check_size(image, max_pixels)
     try:
         image.seek(0)  # the first frame of an animation
         image.load()
         return _to_rgb(image)
     except (OSError, SyntaxError, ValueError, EOFError, struct.error) as e:
         raise ImageError("truncated", f"image data is truncated or corrupt ({e})") from None
+
+
+def _check_size(image: Image.Image, max_pixels: int) -> None:
+    width, height = image.size
+    if width == 0 or height == 0:
+        raise ImageError("zero_size", f"image has zero size ({width}x{height})")
+    if width * height > max_pixels:
+        raise ImageError("too_many_pixels",
+                         f"image has {width}x{height} = {width * height} pixels, more than the limit {max_pixels}")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
