@@ -7,6 +7,11 @@ rank r publishes and fetches blocks r, r + size, ... and the decode side's ranks
 (over the tensor-parallel group: NVLink or the host, not the network). The KDA state is split by heads: each rank
 moves its own.
 
+A fetch is started before the step's forward (`start_fetch`: the download and the check run in a thread of their
+own, while the step computes the running requests) and finished after it (`finish_fetch`: the exchange between
+ranks and the writes into the host tier, on the step's thread), so a step lasts the longer of its forward and its
+fetches, not their sum.
+
 Each payload is framed as a `kvstore.entry` (the cache layout's namespace, the transfer id and rank, the length and
 a CRC-32), so a payload cut short, altered, or from an instance with another model, dtype, block size or
 tensor-parallel split is refused on arrival, whatever the transport; the request is then recomputed."""
@@ -17,6 +22,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +35,15 @@ from deltaserve.runner.shared_io import entry_bytes, pack, pack_many, rank_suffi
 from deltaserve.scheduler.output import ScheduledChunk
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingFetches:
+    """A step's fetches whose payloads are downloading (`KVTransferIO.start_fetch`)."""
+
+    fetches: tuple[RemoteFetch, ...]
+    payloads: Future[tuple[list[bytes | memoryview | None], float]]
+    """This rank's checked payload of each fetch (None: it did not arrive whole), and the seconds it took."""
 
 
 class KVTransferIO:
@@ -45,21 +61,40 @@ class KVTransferIO:
         self.all_gather = all_gather
         if size > 1 and client is not None and all_gather is None:
             raise ValueError("a tensor-parallel consumer needs the group's all_gather")
+        self._downloads: ThreadPoolExecutor | None = None
 
-    def fetch(self, fetches: Sequence[RemoteFetch], caches: Sequence[LayerCache],
-              host_caches: Sequence[LayerCache] | None) -> TransferResult:
-        """Before the step's forward: each fetch into its reserved `host_caches` entries (`caches` give the sizes).
-        `received`: the KV bytes written on every rank (each block fetched by one rank) and this rank's state bytes.
-        Every rank makes the same collective calls whatever it fetched."""
+    def start_fetch(self, fetches: Sequence[RemoteFetch], caches: Sequence[LayerCache],
+                    host_caches: Sequence[LayerCache] | None) -> PendingFetches:
+        """Before the step's forward: start downloading this rank's payload of each fetch (`caches` give the
+        sizes to check them against); nothing is written yet."""
+        usable = self.client is not None and host_caches is not None
+        block_bytes, state_bytes = entry_bytes(caches, "kv"), entry_bytes(caches, "state")
+
+        def download() -> tuple[list[bytes | memoryview | None], float]:
+            start = time.perf_counter()
+            out = [self._own_payload(f, block_bytes, state_bytes) if usable else None for f in fetches]
+            return out, time.perf_counter() - start
+
+        if self._downloads is None:
+            self._downloads = ThreadPoolExecutor(1, thread_name_prefix="kv-fetch")
+        return PendingFetches(tuple(fetches), self._downloads.submit(download))
+
+    def finish_fetch(self, pending: PendingFetches, caches: Sequence[LayerCache],
+                     host_caches: Sequence[LayerCache] | None) -> TransferResult:
+        """After the step's forward: wait for the downloads, exchange the blocks between ranks and write each fetch
+        into its reserved `host_caches` entries. `received`: the KV bytes written on every rank (each block fetched
+        by one rank) and this rank's state bytes. Every rank makes the same collective calls whatever it fetched."""
+        payloads, seconds = pending.payloads.result()  # each download is bounded by timeout_s
         start = time.perf_counter()
         kv = state = 0
         fetched = []
-        for f in fetches:
-            got = self._fetch(f, caches, host_caches)
+        for f, own in zip(pending.fetches, payloads, strict=True):
+            got = self._place(f, own, caches, host_caches)
             fetched.append(got is not None)
             if got is not None:
                 kv, state = kv + got[0], state + got[1]
-        return TransferResult(fetched=fetched, received=(kv, state), seconds=time.perf_counter() - start)
+        return TransferResult(fetched=fetched, received=(kv, state),
+                              seconds=seconds + time.perf_counter() - start)
 
     def publish(self, sends: Sequence[ScheduledChunk], caches: Sequence[LayerCache]) -> dict[str, tuple[int, int]]:
         """After the forward: publish the device caches of `sends` (chunks that ended a prefill request's prompt);
@@ -78,13 +113,12 @@ class KVTransferIO:
         self.server.publish(key, encode(self.namespace, key, blocks + state, ttl_s=self.ttl_s))
         return len(block_ids) * entry_bytes(caches, "kv"), len(state)
 
-    def _fetch(self, f: RemoteFetch, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
-               ) -> tuple[int, int] | None:
-        """(KV bytes written on all ranks, state bytes written here), or None when some payload did not arrive
-        whole and checked."""
+    def _place(self, f: RemoteFetch, own: bytes | memoryview | None, caches: Sequence[LayerCache],
+               host_caches: Sequence[LayerCache] | None) -> tuple[int, int] | None:
+        """Write fetch `f` (this rank's payload `own`) into the host tier: (KV bytes written on all ranks, state
+        bytes written here), or None when some rank's payload did not arrive whole and checked."""
         block_bytes = entry_bytes(caches, "kv")
         wanted = [(index, host_id) for kind, index, host_id in f.parts if kind == "kv"]
-        own = self._own_payload(f, caches, host_caches)
         if own is None:
             mine = None
         else:
@@ -112,10 +146,9 @@ class KVTransferIO:
         """Where a wanted block's bytes sit after `_exchange`: by owning rank, then in order."""
         return part[0] % self.size, part[0]
 
-    def _own_payload(self, f: RemoteFetch, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
-                     ) -> bytes | memoryview | None:
+    def _own_payload(self, f: RemoteFetch, block_bytes: int, state_bytes: int) -> bytes | memoryview | None:
         """This rank's payload (its blocks, then its state), checked; None when it did not arrive whole."""
-        if self.client is None or host_caches is None or self.rank >= len(f.addresses):
+        if self.client is None or self.rank >= len(f.addresses):
             return None
         key = f.transfer_id + self.suffix
         raw = self.client.fetch(f.addresses[self.rank], key, self.timeout_s)
@@ -123,7 +156,6 @@ class KVTransferIO:
             logger.warning("transfer %s: nothing fetched from %s (recomputing)", key, f.addresses[self.rank])
             return None
         payload, refusal = decode_entry(raw, self.namespace, key)
-        block_bytes, state_bytes = entry_bytes(caches, "kv"), entry_bytes(caches, "state")
         expected = self._own_blocks(f.num_blocks) * block_bytes + state_bytes
         if payload is None or len(payload) != expected:
             why = refusal.value if refusal is not None else f"{len(payload or b'')} bytes, expected {expected}"

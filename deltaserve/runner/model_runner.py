@@ -91,10 +91,13 @@ class ModelRunner:
             else:
                 fetched = self.shared.run(out.shared_ops, self.caches,
                                           None if self.host is None else self.host.caches)
-        transfer = None
-        if out.remote_fetches:  # into host-tier entries the host copies below do not touch this step
-            transfer = TransferResult(fetched=[False] * len(out.remote_fetches)) if self.transfer is None else \
-                self.transfer.fetch(out.remote_fetches, self.caches, None if self.host is None else self.host.caches)
+        transfer = pending = None
+        host_caches = None if self.host is None else self.host.caches
+        if out.remote_fetches:  # downloads during the step, written after it into entries this step does not touch
+            if self.transfer is None:
+                transfer = TransferResult(fetched=[False] * len(out.remote_fetches))
+            else:
+                pending = self.transfer.start_fetch(out.remote_fetches, self.caches, host_caches)
         host_seconds = 0.0
         if out.host_copies is not None:
             if self.host is None:
@@ -116,6 +119,11 @@ class ModelRunner:
             chunks = [c for c in out.chunks if c.sample]
             if chunks:
                 sampled = self._sample(logits, chunks, out)
+        if pending is not None:
+            assert self.transfer is not None
+            fetched_now = self.transfer.finish_fetch(pending, self.caches, host_caches)
+            transfer = fetched_now if transfer is None else dataclasses.replace(
+                fetched_now, sent=transfer.sent, seconds=fetched_now.seconds + transfer.seconds)
         return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
                             forward_seconds=self.last_forward_seconds, host_copy_seconds=host_seconds,
                             shared_fetched=fetched, transfer=transfer,

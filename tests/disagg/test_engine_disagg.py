@@ -8,6 +8,7 @@ decode side starts from; and nothing leaks."""
 from __future__ import annotations
 
 import socket
+import threading
 from typing import Any
 
 import pytest
@@ -278,3 +279,60 @@ def test_tensor_parallel_disaggregated_equals_unified(tiny_dir):
     finally:
         for core in cores:
             core.shutdown()
+
+
+class _GatedClient:
+    """The real transfer client, whose fetches wait until `open` is set (the test sets it from the forward)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.open = client, threading.Event()
+        self.waited_for_the_forward: list[bool] = []
+
+    def fetch(self, address: str, transfer_id: str, timeout_s: float) -> Any:
+        # A bound only so that a broken overlap fails the test instead of hanging it: the forward opens the gate.
+        self.waited_for_the_forward.append(self.open.wait(120))
+        return self.client.fetch(address, transfer_id, timeout_s)
+
+    def stats(self) -> Any:
+        return self.client.stats()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def test_a_fetch_downloads_while_the_step_computes_the_running_requests(trio):
+    """A running request's decode step runs its forward while a new request's payload downloads: the download waits
+    for that forward (a fetch done before the forward, as it once was, would wait out the gate's bound and fail).
+    The fetched request's output is still the unified one."""
+    prefill, decode_, unified = trio
+    runner = decode_.executor.worker.runner  # type: ignore[attr-defined]
+    gated = _GatedClient(runner.transfer.client)
+    forward = runner.execute_model
+
+    def forward_then_open(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            gated.open.set()
+
+    runner.transfer.client, runner.execute_model = gated, forward_then_open
+    try:
+        prompt = prompt_ids(600, 70, seed=71)
+        _, params, _ = run(prefill, "op", prompt, kv_transfer_params={"do_remote_decode": True})
+        decode_.add_request("running", prompt_ids(600, 20, seed=72), GREEDY)
+        while not any(o.new_token_ids for o in decode_.step()):  # "running" decodes from here on
+            pass
+        decode_.add_request("fetched", prompt, GREEDY, kv_transfer_params=params)
+        got: dict[str, list[int]] = {"running": [], "fetched": []}
+        cached = -1
+        while decode_.has_unfinished_requests():
+            for out in decode_.step():
+                assert out.error is None, out.error
+                got[out.request_id] += out.new_token_ids
+                if out.request_id == "fetched":
+                    cached = out.num_cached_tokens
+        assert gated.waited_for_the_forward == [True]
+        assert got["fetched"] == run(unified, "ou", prompt)[0] and cached == len(prompt) - 1
+        assert_nothing_held(decode_)
+    finally:
+        runner.transfer.client, runner.execute_model = gated.client, forward
