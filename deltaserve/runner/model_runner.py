@@ -85,14 +85,14 @@ class ModelRunner:
         sampled: dict[str, list[SampledToken]] = {}
         self._prompt_logprobs = {}
         fetched: list[bool] = []
+        host_caches = None if self.host is None else self.host.caches
+        store_reads = None
         if out.shared_ops is not None:  # first: puts read what the last step registered, before anything writes
             if self.shared is None:
                 fetched = [False] * len(out.shared_ops.fetches)
-            else:
-                fetched = self.shared.run(out.shared_ops, self.caches,
-                                          None if self.host is None else self.host.caches)
+            else:  # fetches read during the step, written after it into host entries this step does not touch
+                store_reads = self.shared.start(out.shared_ops, self.caches, host_caches)
         transfer = pending = None
-        host_caches = None if self.host is None else self.host.caches
         if out.remote_fetches:  # downloads during the step, written after it into entries this step does not touch
             if self.transfer is None:
                 transfer = TransferResult(fetched=[False] * len(out.remote_fetches))
@@ -119,6 +119,9 @@ class ModelRunner:
             chunks = [c for c in out.chunks if c.sample]
             if chunks:
                 sampled = self._sample(logits, chunks, out)
+        if store_reads is not None:
+            assert self.shared is not None
+            fetched = self.shared.finish(store_reads)
         if pending is not None:
             assert self.transfer is not None
             fetched_now = self.transfer.finish_fetch(pending, self.caches, host_caches)

@@ -1,5 +1,6 @@
 """A worker rank's traffic with the shared store (L3): its part of each block and state written through from the
-device caches (in a background thread, so a slow store never holds a step up), and fetched into the host tier."""
+device caches (in a background thread, so a slow store never holds a step up), and fetched into the host tier (read
+from the store in another thread while the step computes, written into the host tier after the forward)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -107,6 +110,17 @@ def rank_suffix(rank: int, size: int) -> str:
     return f"/r{rank}of{size}"
 
 
+@dataclass(frozen=True, slots=True)
+class PendingStoreFetches:
+    """A step's shared-store fetches being read (`SharedStoreIO.start`)."""
+
+    fetches: tuple[tuple[str, str, int], ...]
+    """(kind, key, host-tier block or slot) of each."""
+    entries: Future[list[bytes | None]] | None
+    """Each fetch's entry once read (None: nothing to read, or no host tier to write into)."""
+    host_caches: Sequence[LayerCache] | None
+
+
 class SharedStoreIO:
     """Rank `rank` of `size`'s reads and writes (keys end in `rank_suffix`)."""
 
@@ -116,21 +130,34 @@ class SharedStoreIO:
         self._thread = threading.Thread(target=self._put_loop, name="shared-store-puts", daemon=True)
         self._thread.start()
         self.dropped_puts = 0
+        self._gets: ThreadPoolExecutor | None = None
 
-    def run(self, ops: SharedStoreOps, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
-            ) -> list[bool]:
-        """Queue the puts (read from `caches` now), then do the fetches into `host_caches`; per fetch, whether it
-        arrived whole and of the right size (the store itself checks each entry's checksum)."""
+    def start(self, ops: SharedStoreOps, caches: Sequence[LayerCache], host_caches: Sequence[LayerCache] | None
+              ) -> PendingStoreFetches:
+        """Before the step's forward: queue the puts (read from `caches` now, before the step writes), and start
+        reading the fetches' entries; `finish` writes them into `host_caches` after the forward."""
         for kind, key, where in ops.puts:
             try:
                 self._puts.put_nowait((key + self.suffix, pack(caches, kind, where)))
             except queue.Full:
                 self.dropped_puts += 1
-        fetched = []
-        for kind, key, host_id in ops.fetches:
-            data = None if host_caches is None else self.store.get(key + self.suffix)
-            fetched.append(data is not None and host_caches is not None and unpack(data, host_caches, kind, host_id))
-        return fetched
+        fetches = tuple(ops.fetches)
+        if not fetches or host_caches is None:
+            return PendingStoreFetches(fetches, None, host_caches)
+        if self._gets is None:
+            self._gets = ThreadPoolExecutor(1, thread_name_prefix="shared-store-gets")
+        keys = [key + self.suffix for _, key, _ in fetches]
+        return PendingStoreFetches(fetches, self._gets.submit(lambda: [self.store.get(k) for k in keys]), host_caches)
+
+    def finish(self, pending: PendingStoreFetches) -> list[bool]:
+        """After the step's forward: wait for the reads `start` began (each bounded by the store's timeout) and write
+        them into the host tier; per fetch, whether it arrived whole and of the right size (the store itself checks
+        each entry's checksum)."""
+        if pending.entries is None or pending.host_caches is None:
+            return [False] * len(pending.fetches)
+        host_caches = pending.host_caches
+        return [data is not None and unpack(data, host_caches, kind, host_id)
+                for (kind, _, host_id), data in zip(pending.fetches, pending.entries.result(), strict=True)]
 
     def drain(self, timeout_s: float = 10.0) -> None:
         """Wait until every queued put was attempted (tests, shutdown)."""

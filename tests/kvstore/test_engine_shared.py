@@ -5,6 +5,9 @@ recompute with the same outputs, counted, never an error."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 
 from deltaserve import LLM, SamplingParams
@@ -77,3 +80,56 @@ def test_a_corrupt_entry_or_a_dead_store_recomputes(store_server, tiny_dir):
         assert ids == reference and cached == 0
     finally:
         store_server.restart()
+
+
+class _GatedStore:
+    """The real store, whose gets wait until `open` is set (the test sets it from the forward)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.open = store, threading.Event()
+        self.waited_for_the_forward: list[bool] = []
+
+    def put(self, key: str, value: bytes) -> bool:
+        return self.store.put(key, value)
+
+    def get(self, key: str) -> bytes | None:
+        # A bound only so that a broken overlap fails the test instead of hanging it: the forward opens the gate.
+        self.waited_for_the_forward.append(self.open.wait(120))
+        return self.store.get(key)
+
+
+def test_store_reads_happen_while_the_step_computes_the_running_requests(store_server, tiny_dir):
+    """A second engine fetches a prefix from the store while a request of its own decodes: the reads wait for that
+    step's forward (reads done before it, as they once were, would wait out the gate's bound and fail); the hit's
+    output is the no-cache one."""
+    path = str(tiny_dir("base"))
+    prompt = prompt_ids(600, 96, seed=13)
+    reference = tokens(LLM(model=path, enable_prefix_caching=False, **ENGINE), [prompt])[0][0]
+    first = LLM(model=path, shared_cache_url=store_server.url, **ENGINE)
+    tokens(first, [prompt])
+    drain(first)
+    core = LLM(model=path, shared_cache_url=store_server.url, **ENGINE).engine
+    runner = core.executor.worker.runner  # type: ignore[attr-defined]
+    gated = _GatedStore(runner.shared.store)
+    forward = runner.execute_model
+
+    def forward_then_open(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            gated.open.set()
+
+    runner.shared.store, runner.execute_model = gated, forward_then_open
+    core.add_request("running", prompt_ids(600, 20, seed=14), GREEDY)
+    while not any(o.new_token_ids for o in core.step()):  # "running" decodes from here on
+        pass
+    core.add_request("hit", prompt, GREEDY)
+    got: dict[str, list[int]] = {"running": [], "hit": []}
+    cached = -1
+    while core.has_unfinished_requests():
+        for out in core.step():
+            got[out.request_id] += out.new_token_ids
+            if out.request_id == "hit":
+                cached = out.num_cached_tokens
+    assert gated.waited_for_the_forward and all(gated.waited_for_the_forward)
+    assert got["hit"] == reference and cached == 80  # the last full block with a state, from the store
