@@ -23,9 +23,10 @@ from deltaserve.config import EngineConfig, ModelConfig, RemotePrefill, check_pa
 from deltaserve.config.kv_transfer import parse_transfer_request, prompt_digest
 from deltaserve.engine.hooks import GrammarHook, ProposerHook, StepHook
 from deltaserve.engine.messages import EngineCoreOutput
-from deltaserve.engine.stats import EngineStats
+from deltaserve.engine.stats import EngineStats, shared_store_stats
 from deltaserve.executor import Executor, make_executor
 from deltaserve.executor.shared_store import RankZeroLookup, open_shared_store
+from deltaserve.kvstore.store import KVStoreStats
 from deltaserve.multimodal.inputs import ImageInput, check_images, keyed_tokens
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.request import FinishReason, Request
@@ -56,6 +57,8 @@ class StepStats:
     images_encoded: int = 0
     encoder_cache_hits: int = 0
     encoder_seconds: float = 0.0
+    shared_store: KVStoreStats | None = None
+    """Rank 0's shared-store counters, as the latest step reported them."""
 
     @property
     def overhead_share(self) -> float:
@@ -368,7 +371,7 @@ class EngineCore:
             host_promoted_bytes=(prefix.host_blocks_promoted * self.cache.block_bytes
                                  + prefix.host_checkpoints_promoted * self.cache.bytes_per_slot),
             host_copy_seconds=self.stats.host_copy_seconds, shared_fetched=self.cache.shared_fetched,
-            shared_fetch_failures=self.cache.shared_fetch_failures,
+            shared_fetch_failures=self.cache.shared_fetch_failures, **shared_store_stats(self.stats.shared_store),
             kv_transfer_sent=self.transfer.sent, kv_transfer_sent_kv_bytes=self.transfer.sent_kv_bytes,
             kv_transfer_sent_state_bytes=self.transfer.sent_state_bytes, kv_transfer_received=self.cache.remote_fetched,
             kv_transfer_received_kv_bytes=self.transfer.received_kv_bytes,
@@ -405,6 +408,8 @@ class EngineCore:
         self.stats.total_seconds += elapsed
         self.stats.forward_seconds += result.forward_seconds
         self.stats.host_copy_seconds += result.host_copy_seconds
+        if result.shared_store is not None:
+            self.stats.shared_store = result.shared_store
         self.stats.images_encoded += result.encoder.images_encoded
         self.stats.encoder_cache_hits += result.encoder.cache_hits
         self.stats.encoder_seconds += result.encoder.seconds

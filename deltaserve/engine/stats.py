@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from deltaserve.kvstore.store import KVStoreStats
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +62,22 @@ class EngineStats:
     """Entries (blocks, states) fetched from the shared store into the host tier (cumulative)."""
     shared_fetch_failures: int = 0
     """Fetches from the shared store that failed on some rank: a miss, corrupt, or the store down (cumulative)."""
+    shared_gets: int = 0
+    """Rank 0's shared-store gets that reached the store (cumulative; the rest of this group likewise)."""
+    shared_get_hits: int = 0
+    """Gets that returned a whole, checked entry."""
+    shared_get_bytes: int = 0
+    """Payload bytes those gets returned."""
+    shared_get_seconds: float = 0.0
+    """Time in gets (their mean latency: this over `shared_gets`)."""
+    shared_puts: int = 0
+    """Entries written (write-through of every registered block and block-boundary state)."""
+    shared_put_bytes: int = 0
+    shared_put_seconds: float = 0.0
+    shared_errors: int = 0
+    """Store calls that failed or ran past the timeout (the request recomputes)."""
+    shared_corrupt: int = 0
+    """Entries refused as truncated, altered or another namespace's (deleted from the store)."""
     kv_transfer_sent: int = 0
     """Disaggregation, prefill side: request caches published for decode instances (cumulative)."""
     kv_transfer_sent_kv_bytes: int = 0
@@ -83,3 +102,13 @@ class EngineStats:
     (cumulative); lookups are this plus `images_encoded`."""
     encoder_seconds: float = 0.0
     """Time in the vision tower and projector (cumulative)."""
+
+
+def shared_store_stats(store: KVStoreStats | None) -> dict[str, Any]:
+    """The `EngineStats.shared_*` store-level fields from a store's counters (all 0 without a store)."""
+    if store is None:
+        return {}
+    return {"shared_gets": store.get_calls, "shared_get_hits": store.hits, "shared_get_bytes": store.hit_bytes,
+            "shared_get_seconds": store.get_latency_s_sum, "shared_puts": store.puts,
+            "shared_put_bytes": store.put_bytes, "shared_put_seconds": store.put_latency_s_sum,
+            "shared_errors": store.errors, "shared_corrupt": store.corrupt}

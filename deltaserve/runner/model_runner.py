@@ -130,6 +130,7 @@ class ModelRunner:
         return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
                             forward_seconds=self.last_forward_seconds, host_copy_seconds=host_seconds,
                             shared_fetched=fetched, transfer=transfer,
+                            shared_store=None if self.shared is None else self.shared.store.stats,
                             encoder=EncoderStepStats() if self.images is None else self.images.take_step_stats())
 
     def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], out: SchedulerOutput

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from deltaserve.cache.manager import SharedStoreOps
+from deltaserve.kvstore.store import KVStoreStats
 from deltaserve.layers.forward_batch import KDALayerCache, LayerCache, MLALayerCache
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ class ByteStore(Protocol):
     def put(self, key: str, value: bytes) -> bool: ...
 
     def get(self, key: str) -> bytes | None: ...
+
+    @property
+    def stats(self) -> KVStoreStats: ...
 
 
 def _parts(caches: Sequence[LayerCache], kind: str, index: int) -> list[torch.Tensor]:

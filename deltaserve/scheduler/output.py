@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from deltaserve.cache.host_tier import HostCopies
 from deltaserve.cache.manager import SharedStoreOps
 from deltaserve.cache.remote import RemoteFetch, TransferResult
+from deltaserve.kvstore.store import KVStoreStats
 from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.sampling_params import SamplingParams
@@ -131,6 +132,8 @@ class RunnerOutput:
     """Time spent copying to and from the host tier before the forward."""
     shared_fetched: list[bool] = field(default_factory=list)
     """Per fetch of `SchedulerOutput.shared_ops`, in order: whether every rank got its part (checked entries)."""
+    shared_store: KVStoreStats | None = None
+    """Rank 0's shared-store counters so far (cumulative; None without a store): gets, hits, bytes, latency."""
     transfer: TransferResult | None = None
     """The step's disaggregation transfers (None when it had none)."""
     encoder: EncoderStepStats = EncoderStepStats()

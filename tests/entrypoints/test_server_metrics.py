@@ -128,3 +128,23 @@ def test_unhandled_exceptions_are_counted_as_500s(inproc_frontend):
         status = client.get("/status.json").json()
         assert status["totals"]["errors_by_kind"] == {"internal": 2, "invalid_request": 1}
         assert status["now"]["running"] == 0  # the in-process engine's stats reached the snapshot
+
+
+def test_shared_store_counters_are_exposed():
+    """The engine's shared-store (L3) counters reach /metrics under vLLM-style names, with the values given."""
+    from prometheus_client import generate_latest
+
+    from deltaserve.engine.stats import EngineStats, shared_store_stats
+    from deltaserve.kvstore.store import KVStoreStats
+
+    store = KVStoreStats(get_calls=5, hits=3, hit_bytes=3000, get_latency_s_sum=0.25, puts=7, put_bytes=7000,
+                         put_latency_s_sum=0.5, errors=1, corrupt=2)
+    metrics = ServerMetrics("m")
+    metrics.engine.snapshot.set(EngineStats(num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_total=1,
+                                            state_slots_used=0, state_slots_total=1, prefix_queried_tokens=0,
+                                            prefix_hit_tokens=0, num_preemptions=0, steps=1,
+                                            **shared_store_stats(store)))
+    text = generate_latest(metrics.registry).decode()
+    for name, value in (("gets", 5), ("get_hits", 3), ("get_bytes", 3000), ("get_seconds", 0.25), ("puts", 7),
+                        ("put_bytes", 7000), ("put_seconds", 0.5), ("errors", 1), ("corrupt_entries", 2)):
+        assert f'deltaserve:shared_cache_{name}_total{{model_name="m"}} {float(value)}' in text, name

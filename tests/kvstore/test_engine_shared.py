@@ -47,6 +47,10 @@ def test_second_engine_hits_what_the_first_computed(store_server, tiny_dir, vari
     assert stats.host_hit_tokens == 176 and second.engine.cache.shared_fetch_failures == 0
     engine_stats = second.engine.get_stats()
     assert engine_stats.shared_fetched > 0 and engine_stats.shared_fetch_failures == 0
+    # the store's own counters, as /metrics shows them: every fetch one get that hit, with its bytes and latency
+    assert engine_stats.shared_get_hits == engine_stats.shared_fetched <= engine_stats.shared_gets
+    assert engine_stats.shared_get_bytes > 0 and engine_stats.shared_get_seconds > 0
+    assert engine_stats.shared_errors == engine_stats.shared_corrupt == 0
 
 
 def test_a_corrupt_entry_or_a_dead_store_recomputes(store_server, tiny_dir):
@@ -66,6 +70,7 @@ def test_a_corrupt_entry_or_a_dead_store_recomputes(store_server, tiny_dir):
     assert ids == reference and cached == 0
     assert second.engine.cache.shared_fetch_failures > 0
     assert second.engine.get_stats().shared_fetch_failures == second.engine.cache.shared_fetch_failures
+    assert second.engine.get_stats().shared_corrupt > 0
     assert second.engine.executor.worker.runner.shared.store.stats.corrupt > 0
     first.shutdown()
     second.shutdown()
@@ -91,6 +96,10 @@ class _GatedStore:
 
     def put(self, key: str, value: bytes) -> bool:
         return self.store.put(key, value)
+
+    @property
+    def stats(self) -> Any:
+        return self.store.stats
 
     def get(self, key: str) -> bytes | None:
         # A bound only so that a broken overlap fails the test instead of hanging it: the forward opens the gate.

@@ -124,6 +124,7 @@ class _EngineStatsCollector:
         yield counter("shared_cache_fetch_failures",
                       "Shared-store fetches that failed (missing, corrupt, store down): the request recomputes.",
                       s.shared_fetch_failures)
+        yield from _shared_store_counters(s, labels)
         yield counter("num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
         yield gauge("engine_stats_age_seconds", "Age of the engine stats snapshot these engine metrics come from.",
                     self.snapshot.age_s or 0.0)
@@ -177,6 +178,26 @@ def _spec_decode_counters(s: Any, labels: list[str]):  # noqa: ANN202 - yields m
     for position, value in enumerate(s.spec_accepted_per_pos):
         per_pos.add_metric([*labels, str(position)], value)
     yield per_pos
+
+
+def _shared_store_counters(s: Any, labels: list[str]):  # noqa: ANN202 - yields metric families
+    """The shared store (L3) as rank 0 sees it: calls that reached it, hits, bytes and time each way, failures."""
+    for name, doc, value in (
+        ("shared_cache_gets", "Shared-store gets that reached the store (rank 0).", s.shared_gets),
+        ("shared_cache_get_hits", "Shared-store gets that returned a whole, checked entry.", s.shared_get_hits),
+        ("shared_cache_get_bytes", "Payload bytes read from the shared store.", s.shared_get_bytes),
+        ("shared_cache_get_seconds", "Time in shared-store gets (mean latency: over shared_cache_gets).",
+         s.shared_get_seconds),
+        ("shared_cache_puts", "Entries written to the shared store (write-through).", s.shared_puts),
+        ("shared_cache_put_bytes", "Payload bytes written to the shared store.", s.shared_put_bytes),
+        ("shared_cache_put_seconds", "Time in shared-store puts.", s.shared_put_seconds),
+        ("shared_cache_errors", "Shared-store calls that failed or timed out (requests recompute).", s.shared_errors),
+        ("shared_cache_corrupt_entries", "Shared-store entries refused as truncated, altered or foreign.",
+         s.shared_corrupt),
+    ):
+        c = CounterMetricFamily(f"deltaserve:{name}", doc, labels=["model_name"])
+        c.add_metric(labels, value)
+        yield c
 
 
 def _kv_transfer_counters(s: Any, labels: list[str]):  # noqa: ANN202 - yields metric families
