@@ -149,7 +149,8 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     """K3 MXFP4 routed experts; None: every weight is stored unquantised."""
     vision: VisionConfig | None = None
-    """K3's vision tower and projector (top-level `vision_config`); None: a text-only checkpoint."""
+    """The vision tower and projector (top-level `vision_config`: K3's, or a Kimi Linear checkpoint's that has one,
+    as the embedded default model); None: a text-only checkpoint."""
 
     @property
     def kda_layer_ids(self) -> tuple[int, ...]:
@@ -235,7 +236,7 @@ class ModelConfig:
             activation=_activation(f, is_k3),
             attn_res_block_size=f.as_int("attn_res_block_size", default=None) if is_k3 else None,
             quantization=parse_quantization(text, raw, f.prefix, is_k3),
-            vision=parse_vision(raw, f.as_int("hidden_size")) if is_k3 else None,
+            vision=parse_vision(raw, f.as_int("hidden_size")),
         )
 
 

@@ -53,6 +53,12 @@ class VisionConfig:
     """The language model's hidden size: the projector's output width."""
     media_placeholder_token_id: int = DEFAULT_MEDIA_PLACEHOLDER_TOKEN_ID
     """The token id each image token takes in the prompt (top-level `media_placeholder_token_id`)."""
+    max_patches: int = 16384
+    """Images with more patches are scaled down to fit (`vision_config.max_patches`, transformers' image processor
+    `max_patches`): a tower trained on small images (the embedded default model's) sets a small limit."""
+    max_patches_per_side: int = 512
+    """Images with more patches along a side are scaled down (`vision_config.max_patches_per_side`, the image
+    processor's `size.max_height`)."""
 
     @property
     def head_dim(self) -> int:
@@ -70,8 +76,9 @@ class VisionConfig:
 
 
 def parse_vision(raw: dict[str, Any], text_hidden_size: int) -> VisionConfig | None:
-    """The `vision_config` of a K3 config.json, or None when it carries no tower (absent, or without a tower size:
-    tiny text-only checkpoints keep a stub there). Errors name the field with its `vision_config.` prefix."""
+    """The `vision_config` of a K3 (or Kimi Linear) config.json, or None when it carries no tower (absent, or
+    without a tower size: tiny text-only checkpoints keep a stub there). Errors name the field with its
+    `vision_config.` prefix."""
     vision = raw.get("vision_config")
     if vision is None:
         return None
@@ -120,6 +127,8 @@ def parse_vision(raw: dict[str, Any], text_hidden_size: int) -> VisionConfig | N
         text_hidden_size=text_hidden_size,
         media_placeholder_token_id=top.as_int("media_placeholder_token_id", "image_token_id",
                                               default=DEFAULT_MEDIA_PLACEHOLDER_TOKEN_ID, minimum=0),
+        max_patches=f.as_int("max_patches", default=16384, minimum=1),
+        max_patches_per_side=f.as_int("max_patches_per_side", default=512, minimum=1),
     )
 
 

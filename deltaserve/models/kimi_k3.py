@@ -26,13 +26,11 @@ from deltaserve.layers.linear import NormWeight, pack_parameter
 from deltaserve.layers.mla import MLAttention
 from deltaserve.layers.moe import GatedMLP, gated_activation
 from deltaserve.layers.vocab import VocabShard
-from deltaserve.models.kimi_linear import layer_cache_specs
+from deltaserve.models.kimi_linear import VISION_PREFIXES, layer_cache_specs
 from deltaserve.ops.norm import rms_norm
 
 TEXT_PREFIX = "language_model."
 """Every text tensor of a K3 checkpoint carries this prefix (model-spec §9.2)."""
-IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
-"""The vision part (MoonViT and its projector): skipped when loading."""
 A_LOG_PAD = 128
 """K3 stores `A_log` zero-padded to a multiple of 128 entries (96 heads -> [128], model-spec §3.3)."""
 _DENSE_ALIAS = re.compile(r"^(language_model\.model\.layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
@@ -140,7 +138,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
     @staticmethod
     def canonical_name(name: str) -> str | None:
         """Accepted alternative names -> the `checkpoint_tensors` name; None for tensors to skip (vision part)."""
-        if name.startswith(IGNORED_PREFIXES):
+        if name.startswith(VISION_PREFIXES):
             return None
         return _DENSE_ALIAS.sub(r"\1mlp.\2", name)
 

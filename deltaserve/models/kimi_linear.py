@@ -21,6 +21,8 @@ from deltaserve.layers.moe import GatedMLP, MoE
 from deltaserve.layers.vocab import VocabShard
 from deltaserve.ops.norm import rms_norm
 
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+"""A checkpoint's vision part (`models/kimi_vision.py` loads it): skipped by the language model's loader."""
 # transformers' save_pretrained writes the dense layer-0 MLP as block_sparse_moe.*; real checkpoints use mlp.*.
 _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 
@@ -116,8 +118,11 @@ class KimiLinearForCausalLM(nn.Module):
         return named
 
     @staticmethod
-    def canonical_name(name: str) -> str:
-        """Map accepted alternative checkpoint names onto the names `checkpoint_tensors` uses."""
+    def canonical_name(name: str) -> str | None:
+        """Map accepted alternative checkpoint names onto the names `checkpoint_tensors` uses; None for the vision
+        part's tensors (skipped)."""
+        if name.startswith(VISION_PREFIXES):
+            return None
         return _DENSE_ALIAS.sub(r"\1mlp.\2", name)
 
     def cache_specs(self) -> list[KVCacheSpec | StateCacheSpec]:
@@ -128,6 +133,8 @@ class KimiLinearForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
         h = self.vocab.embed(input_ids, self.embed_tokens)
+        if batch.embed_rows is not None and batch.embed_values is not None:  # image placeholders: their features
+            h = h.index_copy(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         for layer, cache in zip(self.decoder_layers, caches, strict=True):
             h = layer(h, batch, cache)
         return rms_norm(h, self.norm.weight, self.config.rms_norm_eps)

@@ -13,7 +13,9 @@ from deltaserve.models.kimi_linear import KimiLinearForCausalLM
 from deltaserve.models.tiny_checkpoint import random_weights, save_weights, tiny_config_dict, write_metadata
 from deltaserve.models.tiny_k3 import write_tiny_k3_checkpoint
 from deltaserve.models.tiny_spec import TinySpec
+from deltaserve.models.tiny_vision import attach_tiny_vision
 from deltaserve.text.tiny_tokenizer import write_tiny_tokenizer
+from deltaserve.text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_SPEC", "TinySpec", "tiny_config_dict", "write_tiny_checkpoint", "write_tiny_kimi_linear_checkpoint"]
 
@@ -25,20 +27,19 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinySpec = DEFAULT_SPEC) ->
     the architecture `spec.arch` names."""
     if spec.arch == "kimi_k3":
         return write_tiny_k3_checkpoint(out_dir, spec, vision=spec.vision)
-    if spec.vision:
-        raise ValueError("vision=True needs arch='kimi_k3' (Kimi Linear has no vision tower)")
     if spec.arch == "kimi_linear":
         return write_tiny_kimi_linear_checkpoint(out_dir, spec)
     raise ValueError(f"arch={spec.arch!r} must be 'kimi_linear' or 'kimi_k3'")
 
 
 def write_tiny_kimi_linear_checkpoint(out_dir: str | Path, spec: TinySpec) -> Path:
-    """Write a random Kimi Linear checkpoint; `spec.dense_name` picks the dense layers' tensor names."""
+    """Write a random Kimi Linear checkpoint; `spec.dense_name` picks the dense layers' tensor names; `spec.vision`
+    adds a tiny vision tower (and the four media tokens last in the tokenizer)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if spec.dense_name not in ("mlp", "block_sparse_moe"):
         raise ValueError(f"dense_name={spec.dense_name!r} must be 'mlp' or 'block_sparse_moe'")
-    special_ids = write_tiny_tokenizer(out, spec.vocab)
+    special_ids = write_tiny_tokenizer(out, spec.vocab, flavor="k2_vision" if spec.vision else "k2")
     raw = tiny_config_dict(spec, special_ids)
     config = ModelConfig.from_dict(raw)
     with torch.device("meta"):
@@ -46,6 +47,8 @@ def write_tiny_kimi_linear_checkpoint(out_dir: str | Path, spec: TinySpec) -> Pa
     weights = random_weights(skeleton, spec.seed)
     if spec.dense_name == "block_sparse_moe":
         weights = {_to_block_sparse_name(k, config): v for k, v in weights.items()}
+    if spec.vision:
+        attach_tiny_vision(raw, weights, Tokenizer.from_pretrained(out), spec.hidden)
     save_weights(weights, out, spec.shard_bytes)
     write_metadata(out, raw, special_ids, spec)
     return out

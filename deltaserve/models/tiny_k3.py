@@ -21,12 +21,7 @@ from deltaserve.models.quantize import (
 )
 from deltaserve.models.tiny_checkpoint import random_weights, save_weights, tiny_config_dict, write_metadata
 from deltaserve.models.tiny_spec import TinySpec
-from deltaserve.models.tiny_vision import (
-    TinyVisionSpec,
-    random_vision_weights,
-    tiny_vision_config,
-    tiny_vision_config_dict,
-)
+from deltaserve.models.tiny_vision import TinyVisionSpec, attach_tiny_vision
 from deltaserve.text.tiny_tokenizer import write_tiny_tokenizer
 from deltaserve.text.tokenizer import Tokenizer
 
@@ -89,10 +84,7 @@ def write_tiny_k3_checkpoint(out_dir: str | Path, spec: TinySpec, *, vision: boo
     if spec.expert_format == "gpt-oss":
         weights = to_gpt_oss_layout(weights)
     if vision:
-        vision_spec = vision_spec or TinyVisionSpec()
-        raw["vision_config"] = tiny_vision_config_dict(vision_spec, spec.hidden)
-        raw["media_placeholder_token_id"] = Tokenizer.from_pretrained(out).special_tokens["<|media_pad|>"]
-        weights.update(random_vision_weights(tiny_vision_config(vision_spec, spec.hidden), vision_spec.seed))
+        attach_tiny_vision(raw, weights, Tokenizer.from_pretrained(out), spec.hidden, vision_spec)
     save_weights(weights, out, spec.shard_bytes)
     write_metadata(out, raw, special_ids, spec)  # stops on <|end_of_msg|> (the config eos) and [EOS]
     return out

@@ -49,7 +49,8 @@ class TinySpec:
     expert_format: str = "compressed-tensors"
     """kimi_k3: routed experts in MXFP4, "compressed-tensors" (K3's layout) or "gpt-oss", or "dense"."""
     vision: bool = False
-    """kimi_k3: add a tiny vision tower and projector (`vision_tower.*`, `mm_projector.*`, models/tiny_vision.py)."""
+    """Add a tiny vision tower and projector (`vision_tower.*`, `mm_projector.*`, models/tiny_vision.py); a Kimi
+    Linear checkpoint's tokenizer then ends with the four media tokens."""
 
     def __post_init__(self) -> None:
         check_field_types(self)

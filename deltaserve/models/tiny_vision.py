@@ -1,5 +1,6 @@
 """Tiny random vision towers for test checkpoints: a K3 `vision_config` in Moonshot's names and random
-`vision_tower.*` / `mm_projector.*` tensors (`tiny_k3.write_tiny_k3_checkpoint(..., vision=True)`)."""
+`vision_tower.*` / `mm_projector.*` tensors (`write_tiny_checkpoint` with `TinySpec(vision=True)`, K3 or Kimi
+Linear)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from deltaserve.config.vision import VisionConfig, parse_vision
 from deltaserve.models.kimi_vision import KimiVisionModel
+from deltaserve.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,3 +81,13 @@ def random_vision_weights(config: VisionConfig, seed: int) -> dict[str, torch.Te
             t = torch.randn(shape, generator=gen) * 1.5 / math.sqrt(math.prod(shape[1:]))
         out[name] = t.contiguous()
     return out
+
+
+def attach_tiny_vision(raw: dict[str, Any], weights: dict[str, torch.Tensor], tokenizer: Tokenizer, text_hidden: int,
+                       spec: TinyVisionSpec | None = None) -> None:
+    """Give a tiny checkpoint's config dict and tensors a random vision tower: its `vision_config`,
+    `media_placeholder_token_id` = the tokenizer's `<|media_pad|>`, and `vision_tower.*` / `mm_projector.*`."""
+    spec = spec or TinyVisionSpec()
+    raw["vision_config"] = tiny_vision_config_dict(spec, text_hidden)
+    raw["media_placeholder_token_id"] = tokenizer.special_tokens["<|media_pad|>"]
+    weights.update(random_vision_weights(tiny_vision_config(spec, text_hidden), spec.seed))

@@ -36,15 +36,14 @@ class ImageProcessingConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
-    def for_vision(cls, vision: VisionConfig, max_patches: int = 16384,
-                   max_patches_per_side: int = 512) -> ImageProcessingConfig:
-        """The settings for a checkpoint's tower: its patch size and (square) merge kernel, and the given limits."""
+    def for_vision(cls, vision: VisionConfig) -> ImageProcessingConfig:
+        """The settings for a checkpoint's tower: its patch size, (square) merge kernel and patch limits."""
         kh, kw = vision.merge_kernel_size
         if kh != kw:
             raise ValueError(f"merge_kernel_size={vision.merge_kernel_size} is not square: the image processor pads "
                              "both sides to the same merge size")
-        return cls(patch_size=vision.patch_size, merge_size=kh, max_patches=max_patches,
-                   max_patches_per_side=max_patches_per_side)
+        return cls(patch_size=vision.patch_size, merge_size=kh, max_patches=vision.max_patches,
+                   max_patches_per_side=vision.max_patches_per_side)
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,8 +66,15 @@ TINY_K3_SPECIAL_TOKENS: tuple[str, ...] = (
     "[UNK]",
     "[PAD]",
 )
-FLAVORS: dict[str, tuple[str, ...]] = {"k2": TINY_SPECIAL_TOKENS, "k3": TINY_K3_SPECIAL_TOKENS}
-_CONFIG_EOS = {"k2": "<|im_end|>", "k3": "<|end_of_msg|>"}  # the checkpoint config's eos of each family
+# The K2 flavour with the four media tokens after it (a Kimi Linear checkpoint with a vision tower; the embedded
+# default model's tokenizer gained the same four ids last).
+TINY_K2_VISION_SPECIAL_TOKENS: tuple[str, ...] = (
+    *TINY_SPECIAL_TOKENS, "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
+)
+FLAVORS: dict[str, tuple[str, ...]] = {"k2": TINY_SPECIAL_TOKENS, "k3": TINY_K3_SPECIAL_TOKENS,
+                                       "k2_vision": TINY_K2_VISION_SPECIAL_TOKENS}
+# The checkpoint config's eos of each family.
+_CONFIG_EOS = {"k2": "<|im_end|>", "k3": "<|end_of_msg|>", "k2_vision": "<|im_end|>"}
 MIN_VOCAB_SIZE = 300  # 256 byte tokens + the specials + a few merges
 _MAX_FILLER_LINES = 1 << 17
 FORMATS = ("tokenizers", "tiktoken")
@@ -187,7 +194,8 @@ def write_tiny_tokenizer(
             "k3") take the last ones, in order. At least `MIN_VOCAB_SIZE`.
         fmt: "tokenizers" or "tiktoken". Both hold the same byte-level BPE (tiktoken rank == tokenizers id).
         model_max_length: written to `tokenizer_config.json`.
-        flavor: "k2" (Kimi K2 / Kimi Linear specials, the default) or "k3" (Kimi K3's XTML specials).
+        flavor: "k2" (Kimi K2 / Kimi Linear specials, the default), "k3" (Kimi K3's XTML specials) or "k2_vision"
+            (k2's, then the four media tokens).
         corpus: training texts for the BPE (none: the built-in corpus); used for the embedded default model.
 
     Returns:

@@ -10,7 +10,7 @@ from tests.vision.test_engine_images import (  # noqa: F401 - module fixtures
     GREEDY,
     image_prompt,
     images,
-    k3_path,
+    vision_path,
     make_image,
     placeholder,
 )
@@ -33,8 +33,8 @@ def run(core: EngineCore, rid: str, prompt, image, params=None):
     return ids, last.kv_transfer_params, last.num_cached_tokens
 
 
-def test_image_prompt_disaggregated_equals_unified(k3_path, placeholder, images):  # noqa: F811
-    cores = engine(k3_path, "kv_producer"), engine(k3_path, "kv_consumer"), engine(k3_path, None)
+def test_image_prompt_disaggregated_equals_unified(vision_path, placeholder, images):  # noqa: F811
+    cores = engine(vision_path, "kv_producer"), engine(vision_path, "kv_consumer"), engine(vision_path, None)
     try:
         shapes, noise = images["shapes"], images["noise"]
         prompt = image_prompt(placeholder, shapes)

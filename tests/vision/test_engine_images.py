@@ -1,6 +1,6 @@
-"""Images through the engine on a tiny K3 checkpoint with a vision tower: the features replace the placeholder
-embeddings in any chunking, batching and preemption; the encoder cache runs the tower once per image; prefix-cache
-blocks over an image are shared only with the same image."""
+"""Images through the engine on tiny K3 and Kimi Linear checkpoints with a vision tower: the features replace the
+placeholder embeddings in any chunking, batching and preemption; the encoder cache runs the tower once per image;
+prefix-cache blocks over an image are shared only with the same image."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deltaserve.engine.engine_core import EngineCore
-from deltaserve.models.tiny_k3 import write_tiny_k3_checkpoint
+from deltaserve.models.tiny import write_tiny_checkpoint
 from deltaserve.models.tiny_spec import TinySpec
 from deltaserve.multimodal import ImageProcessingConfig, load_image, preprocess_image
 from deltaserve.multimodal.inputs import ImageInput
@@ -20,22 +20,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def k3_path(tmp_path_factory):
-    spec = TinySpec(arch="kimi_k3", seed=4)
-    return str(write_tiny_k3_checkpoint(tmp_path_factory.mktemp("k3-vision-engine"), spec, vision=True))
+@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
+def vision_path(request, tmp_path_factory):
+    spec = TinySpec(arch=request.param, seed=4, vision=True)
+    return str(write_tiny_checkpoint(tmp_path_factory.mktemp(f"{request.param}-vision-engine"), spec))
 
 
 @pytest.fixture(scope="module")
-def placeholder(k3_path):
-    vision = ModelConfig.from_pretrained(k3_path).vision
+def placeholder(vision_path):
+    vision = ModelConfig.from_pretrained(vision_path).vision
     assert vision is not None
     return vision.media_placeholder_token_id
 
 
 @pytest.fixture(scope="module")
-def make_image(k3_path):
-    vision = ModelConfig.from_pretrained(k3_path).vision
+def make_image(vision_path):
+    vision = ModelConfig.from_pretrained(vision_path).vision
     assert vision is not None
     config = ImageProcessingConfig.for_vision(vision)
 
@@ -73,44 +73,44 @@ def images(make_image):
 
 
 @pytest.fixture(scope="module")
-def alone(k3_path, placeholder, images):
+def alone(vision_path, placeholder, images):
     """Each image prompt run alone, unchunked, without prefix caching: the reference outputs."""
-    engine = core(k3_path, prefix=False)
+    engine = core(vision_path, prefix=False)
     return {name: run(engine, {name: (image_prompt(placeholder, im), (im,))})[name] for name, im in images.items()}
 
 
-def test_the_image_changes_the_output_and_text_only_is_not_the_image(k3_path, placeholder, images, alone):
+def test_the_image_changes_the_output_and_text_only_is_not_the_image(vision_path, placeholder, images, alone):
     """Different images give different greedy continuations of the same tokens, and the placeholders without an
     image (their token embedding) give a third: the features are really used."""
-    text_only = run(core(k3_path, prefix=False), {"t": (image_prompt(placeholder, images["shapes"]), ())})["t"]
+    text_only = run(core(vision_path, prefix=False), {"t": (image_prompt(placeholder, images["shapes"]), ())})["t"]
     assert alone["shapes"] != alone["noise"]
     assert text_only not in (alone["shapes"], alone["noise"])
 
 
 @pytest.mark.parametrize("budget", [7, pytest.param(16, marks=pytest.mark.slow), 23])  # CI time
-def test_chunked_prefill_that_splits_the_image_batched_with_text(k3_path, placeholder, images, alone, budget):
+def test_chunked_prefill_that_splits_the_image_batched_with_text(vision_path, placeholder, images, alone, budget):
     """A small token budget splits the image over several steps (chunks starting and ending inside it); text-only
     requests run in the same steps; outputs equal the unchunked, unbatched run."""
-    engine = core(k3_path, budget=budget, prefix=False)
+    engine = core(vision_path, budget=budget, prefix=False)
     requests: dict[str, tuple[list[int], tuple[ImageInput, ...]]] = {
         name: (image_prompt(placeholder, im), (im,)) for name, im in images.items()}
     requests["text"] = (prompt_ids(1000, 30, seed=9), ())
     got = run(engine, requests)
     assert {k: got[k] for k in alone} == alone
-    assert got["text"] == run(core(k3_path, prefix=False), {"text": requests["text"]})["text"]
+    assert got["text"] == run(core(vision_path, prefix=False), {"text": requests["text"]})["text"]
 
 
-def test_preemption_recomputes_the_image(k3_path, placeholder, images, alone):
+def test_preemption_recomputes_the_image(vision_path, placeholder, images, alone):
     """With too few blocks for both, one image request is preempted and recomputed: same outputs."""
-    engine = core(k3_path, budget=16, num_blocks=4, num_state_slots=2)
+    engine = core(vision_path, budget=16, num_blocks=4, num_state_slots=2)
     got = run(engine, {name: (image_prompt(placeholder, im), (im,)) for name, im in images.items()})
     assert engine.scheduler.num_preemptions > 0
     assert got == alone
 
 
-def test_encoder_cache_runs_the_tower_once_per_image(k3_path, placeholder, images, alone):
+def test_encoder_cache_runs_the_tower_once_per_image(vision_path, placeholder, images, alone):
     """Chunks of one image and later requests with the same image reuse its features."""
-    engine = core(k3_path, budget=7, prefix=False)
+    engine = core(vision_path, budget=7, prefix=False)
     embedder = engine.executor.worker.runner.images  # type: ignore[attr-defined]
     im = images["shapes"]
     for rid in ("a", "b"):
@@ -122,9 +122,9 @@ def test_encoder_cache_runs_the_tower_once_per_image(k3_path, placeholder, image
     assert stats.encoder_seconds > 0
 
 
-def test_without_the_encoder_cache_the_tower_runs_per_chunk(k3_path, placeholder, images, alone):
+def test_without_the_encoder_cache_the_tower_runs_per_chunk(vision_path, placeholder, images, alone):
     """encoder_cache_memory=0: every chunk over the image runs the tower again; the output is the same."""
-    engine = core(k3_path, budget=7, prefix=False, encoder_cache_memory=0)
+    engine = core(vision_path, budget=7, prefix=False, encoder_cache_memory=0)
     im = images["shapes"]
     assert run(engine, {"a": (image_prompt(placeholder, im), (im,))})["a"] == alone["shapes"]
     stats = engine.get_stats()
@@ -132,9 +132,9 @@ def test_without_the_encoder_cache_the_tower_runs_per_chunk(k3_path, placeholder
     assert stats.images_encoded == 4 and stats.encoder_cache_hits == 0
 
 
-def test_prefix_cache_separates_images_and_hits_the_same_image(k3_path, placeholder, images, alone):
+def test_prefix_cache_separates_images_and_hits_the_same_image(vision_path, placeholder, images, alone):
     """A prompt that differs only in its image shares no block past the image start; the same image again hits."""
-    engine = core(k3_path)
+    engine = core(vision_path)
     first = image_prompt(placeholder, images["shapes"])
     assert run(engine, {"a": (first, (images["shapes"],))})["a"] == alone["shapes"]
     results = {}
@@ -153,10 +153,10 @@ def test_prefix_cache_separates_images_and_hits_the_same_image(k3_path, placehol
     assert results["c"][1] >= images["shapes"].end
 
 
-def test_bad_image_records_are_refused(k3_path, placeholder, images, tiny_dir):
+def test_bad_image_records_are_refused(vision_path, placeholder, images, tiny_dir):
     """Images over non-placeholder tokens, outside the prompt, and images for a model without a vision tower are
     ValueErrors at add_request."""
-    engine = core(k3_path)
+    engine = core(vision_path)
     im = images["shapes"]
     with pytest.raises(ValueError, match="placeholder"):
         engine.add_request("x", prompt_ids(1000, 40, seed=5), GREEDY, images=(im,))
@@ -167,13 +167,13 @@ def test_bad_image_records_are_refused(k3_path, placeholder, images, tiny_dir):
         text_model.add_request("z", image_prompt(placeholder, im), GREEDY, images=(im,))
 
 
-def test_a_prefix_hit_inside_the_image_resumes_mid_image(k3_path, placeholder, images):
+def test_a_prefix_hit_inside_the_image_resumes_mid_image(vision_path, placeholder, images):
     """A checkpoint at position 16 lies inside the image (10..29): a prompt with the same text and image but a
     different ending hits there, its first chunk starts at image row 6, and its output equals the uncached run."""
     im = images["shapes"]
     first = image_prompt(placeholder, im)
     second = first[:im.end] + prompt_ids(1000, 9, seed=77)
-    engine = core(k3_path, state_checkpoint_interval=BLOCK)
+    engine = core(vision_path, state_checkpoint_interval=BLOCK)
     run(engine, {"a": (first, (im,))})
     engine.add_request("b", second, GREEDY, images=(im,))
     tokens: list[int] = []
@@ -184,4 +184,4 @@ def test_a_prefix_hit_inside_the_image_resumes_mid_image(k3_path, placeholder, i
             if o.finish_reason is not None:
                 cached = o.num_cached_tokens
     assert im.offset < cached < im.end, cached
-    assert tokens == run(core(k3_path, prefix=False), {"b": (second, (im,))})["b"]
+    assert tokens == run(core(vision_path, prefix=False), {"b": (second, (im,))})["b"]

@@ -17,15 +17,15 @@ from tests.vision.test_engine_images import (  # noqa: F401 - module fixtures
     alone,
     image_prompt,
     images,
-    k3_path,
+    vision_path,
     make_image,
     placeholder,
 )
 
 
 @pytest.fixture(scope="module")
-def llm(k3_path):  # noqa: F811
-    return LLM(model=k3_path, enable_prefix_caching=False)
+def llm(vision_path):  # noqa: F811
+    return LLM(model=vision_path, enable_prefix_caching=False)
 
 
 def test_each_image_form_gives_the_engines_output(llm, placeholder, images, alone):  # noqa: F811

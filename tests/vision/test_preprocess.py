@@ -97,14 +97,17 @@ def test_resize_bicubic_uint8_matches_torch(shape):
 
 
 def test_config_for_vision():
-    """The processor takes the tower's patch size and merge kernel; limits can be lowered."""
+    """The processor takes the tower's patch size, merge kernel and patch limits (`vision_config.max_patches`)."""
     from dataclasses import replace
 
     from deltaserve.models.tiny_vision import TinyVisionSpec, tiny_vision_config
 
     vision = tiny_vision_config(TinyVisionSpec(), text_hidden=32)
-    config = ImageProcessingConfig.for_vision(vision, max_patches=100)
-    assert (config.patch_size, config.merge_size, config.max_patches, config.max_patches_per_side) == (14, 2, 100, 512)
+    config = ImageProcessingConfig.for_vision(vision)
+    assert (config.patch_size, config.merge_size, config.max_patches, config.max_patches_per_side) == (14, 2, 16384,
+                                                                                                       512)
+    config = ImageProcessingConfig.for_vision(replace(vision, max_patches=100, max_patches_per_side=12))
+    assert (config.max_patches, config.max_patches_per_side) == (100, 12)
     with pytest.raises(ValueError, match="not square"):
         ImageProcessingConfig.for_vision(replace(vision, merge_kernel_size=(2, 1)))
 

@@ -62,6 +62,23 @@ def test_kimi_linear_has_no_vision(tiny_dir):
     assert ModelConfig.from_pretrained(tiny_dir("base")).vision is None
 
 
+def test_kimi_linear_with_a_tower_and_patch_limits(tiny_dir):
+    """A Kimi Linear checkpoint may carry a `vision_config` (the embedded default model does), with the image
+    processor's patch limits; without limits, transformers' K2.5 defaults hold."""
+    import json
+
+    raw = json.loads((tiny_dir("base") / "config.json").read_text())
+    vision = {**tiny_vision_config_dict(TinyVisionSpec(), raw["hidden_size"]), "max_patches": 256,
+              "max_patches_per_side": 16}
+    config = ModelConfig.from_dict({**raw, "vision_config": vision, "media_placeholder_token_id": 7}).vision
+    assert config is not None and config.media_placeholder_token_id == 7
+    assert (config.max_patches, config.max_patches_per_side) == (256, 16)
+    k3 = ModelConfig.from_dict(_k3(tiny_vision_config_dict(TinyVisionSpec(), 256))).vision
+    assert k3 is not None and (k3.max_patches, k3.max_patches_per_side) == (16384, 512)
+    with pytest.raises(ConfigError, match=r"vision_config\.max_patches=0 must be an integer >= 1"):
+        ModelConfig.from_dict({**raw, "vision_config": {**vision, "max_patches": 0}})
+
+
 BAD = {
     "missing-layers": ({"vt_num_hidden_layers": None}, r"vision_config\.vt_num_hidden_layers .*is missing"),
     "heads-not-dividing": ({"vt_num_attention_heads": 5}, r"vision_config\.vt_num_attention_heads=5 must divide"),
