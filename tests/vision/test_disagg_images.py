@@ -10,9 +10,9 @@ from tests.vision.test_engine_images import (  # noqa: F401 - module fixtures
     GREEDY,
     image_prompt,
     images,
-    vision_path,
     make_image,
     placeholder,
+    vision_path,
 )
 
 

@@ -17,9 +17,9 @@ from tests.vision.test_engine_images import (  # noqa: F401 - module fixtures
     alone,
     image_prompt,
     images,
-    vision_path,
     make_image,
     placeholder,
+    vision_path,
 )
 
 
