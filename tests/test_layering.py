@@ -17,7 +17,7 @@ ALLOWED: dict[str, set[str]] = {
     "cache": BASE,
     "kvstore": BASE,  # the shared KV store (L3): no torch
     "kvtransfer": BASE | {"kvstore"},  # P/D transports (no torch); entry framing from kvstore
-    "scheduler": BASE | {"cache"},
+    "scheduler": BASE | {"cache", "kvstore"},  # kvstore: the store counters a step reports (no torch)
     "layers": BASE | {"ops", "distributed"},
     "models": BASE | {"ops", "layers", "cache", "distributed"},
     "structured": BASE,
