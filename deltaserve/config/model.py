@@ -149,8 +149,8 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     """K3 MXFP4 routed experts; None: every weight is stored unquantised."""
     vision: VisionConfig | None = None
-    """The vision tower and projector (top-level `vision_config`: K3's, or a Kimi Linear checkpoint's that has one,
-    as the embedded default model); None: a text-only checkpoint."""
+    """The vision tower and projector (top-level `vision_config`: K3's, or a Kimi Linear checkpoint's that has one);
+    None: a text-only checkpoint."""
 
     @property
     def kda_layer_ids(self) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ class VisionConfig:
     """The token id each image token takes in the prompt (top-level `media_placeholder_token_id`)."""
     max_patches: int = 16384
     """Images with more patches are scaled down to fit (`vision_config.max_patches`, transformers' image processor
-    `max_patches`): a tower trained on small images (the embedded default model's) sets a small limit."""
+    `max_patches`): a tower trained on small images sets a small limit."""
     max_patches_per_side: int = 512
     """Images with more patches along a side are scaled down (`vision_config.max_patches_per_side`, the image
     processor's `size.max_height`)."""

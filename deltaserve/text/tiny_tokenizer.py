@@ -66,8 +66,8 @@ TINY_K3_SPECIAL_TOKENS: tuple[str, ...] = (
     "[UNK]",
     "[PAD]",
 )
-# The K2 flavour with the four media tokens after it (a Kimi Linear checkpoint with a vision tower; the embedded
-# default model's tokenizer gained the same four ids last).
+# The K2 flavour with the four media tokens after it (a Kimi Linear checkpoint with a vision tower; the same order
+# `scripts/train_vision.py` appends them in).
 TINY_K2_VISION_SPECIAL_TOKENS: tuple[str, ...] = (
     *TINY_SPECIAL_TOKENS, "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
 )
