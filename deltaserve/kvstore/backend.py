@@ -27,8 +27,9 @@ class Backend(Protocol):
         where it has one (None: none)."""
         ...
 
-    def get(self, key: str) -> bytes | None:
-        """The value, or None when the key is absent."""
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each key's value (None: absent), in one round trip where the store allows (Redis MGET, Mooncake
+        get_batch): a prefix hit reads tens of blocks, and one request per block would pay a round trip each."""
         ...
 
     def exists(self, key: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -61,20 +61,31 @@ class GuardedStore:
         return True
 
     def get(self, key: str) -> bytes | None:
-        full = store_key(self.namespace, key)
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        full = [store_key(self.namespace, key) for key in keys]
         start = time.perf_counter()
-        raw = self._call("get", self._backend.get, full)
-        if raw is _FAILED or raw is _SKIPPED:
-            return None
+        raws = self._call("get", self._backend.get_many, full)
+        if raws is _FAILED or raws is _SKIPPED:
+            return [None] * len(keys)
         elapsed = time.perf_counter() - start
         with self._lock:
             s = self._stats
-            self._stats = replace(s, get_calls=s.get_calls + 1, get_latency_s_sum=s.get_latency_s_sum + elapsed,
+            self._stats = replace(s, get_calls=s.get_calls + len(keys), get_round_trips=s.get_round_trips + 1,
+                                  get_latency_s_sum=s.get_latency_s_sum + elapsed,
                                   get_latency_s_max=max(s.get_latency_s_max, elapsed))
+        assert isinstance(raws, list) and len(raws) == len(keys)
+        return [self._decode(key, name, raw) for key, name, raw in zip(keys, full, raws, strict=True)]
+
+    def _decode(self, key: str, full: str, raw: bytes | None) -> bytes | None:
+        """The payload of the entry `raw` read under `full` (None: absent, expired or corrupt, counted; a bad entry
+        is deleted so that a later put repairs it)."""
         if raw is None:
             self._count(misses=1)
             return None
-        assert isinstance(raw, bytes | bytearray | memoryview)
         payload, refusal = decode_entry(bytes(raw), self.namespace, key)
         if payload is not None:
             self._count(hits=1, hit_bytes=len(payload))

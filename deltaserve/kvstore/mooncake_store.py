@@ -196,18 +196,18 @@ class MooncakeBackend:
         with self._use() as client:
             _check(client.upsert_parts(key, *parts), "put")
 
-    def get(self, key: str) -> bytes | None:
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         with self._use() as client:
-            value = client.get(key)
-            if value:
-                return bytes(value)
+            values = [bytes(v) if v else None for v in client.get_batch(list(keys))]
             # An empty answer is both "absent" and "failed": the existence check tells which.
-            found = client.is_exist(key)
-        if found == 0:
-            return None
-        if found < 0:
-            _check(found, "get")
-        raise StoreOpError("get: an existing key returned no bytes (its segment may have gone)")
+            empty = [k for k, v in zip(keys, values, strict=True) if v is None]
+            found = client.batch_is_exist(empty) if empty else []
+        for code in found:
+            if code < 0:
+                _check(code, "get")
+            if code == 1:
+                raise StoreOpError("get: an existing key returned no bytes (its segment may have gone)")
+        return values
 
     def exists(self, key: str) -> bool:
         with self._use() as client:

@@ -58,9 +58,9 @@ class RedisBackend:
         px = max(1, int(ttl_s * 1000)) if ttl_s else None
         self._run(self._client.set, key, value, px=px)
 
-    def get(self, key: str) -> bytes | None:
-        value = self._run(self._client.get, key)
-        return None if value is None else bytes(value)
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        values = self._run(self._client.mget, list(keys))
+        return [None if v is None else bytes(v) for v in values]
 
     def exists(self, key: str) -> bool:
         return bool(self._run(self._client.exists, key))

@@ -6,6 +6,7 @@ counted in `stats`, so the engine recomputes instead of failing; every call is b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -41,7 +42,10 @@ class KVStoreStats:
     outages: int = 0
     """Times the store went from available to unavailable."""
     get_calls: int = 0
-    """Gets that reached the store (the denominator of `get_latency_s_sum`)."""
+    """Entries asked of the store by gets that reached it (hits, misses and refused entries)."""
+    get_round_trips: int = 0
+    """Requests those gets took (`get_many` asks for several entries in one): the denominator of
+    `get_latency_s_sum` and `get_latency_s_max`."""
     get_latency_s_sum: float = 0.0
     get_latency_s_max: float = 0.0
     put_calls: int = 0
@@ -69,6 +73,10 @@ class KVStore(Protocol):
 
     def get(self, key: str) -> bytes | None:
         """The entry's bytes, or None: absent, expired, corrupt, or the store failing (see `stats` for which)."""
+        ...
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """`get` of each key, in one request to the store: one timeout for all, and a failure misses them all."""
         ...
 
     def contains(self, key: str) -> bool:

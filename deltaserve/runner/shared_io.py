@@ -29,7 +29,7 @@ class ByteStore(Protocol):
 
     def put(self, key: str, value: bytes) -> bool: ...
 
-    def get(self, key: str) -> bytes | None: ...
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]: ...
 
     @property
     def stats(self) -> KVStoreStats: ...
@@ -151,7 +151,7 @@ class SharedStoreIO:
         if self._gets is None:
             self._gets = ThreadPoolExecutor(1, thread_name_prefix="shared-store-gets")
         keys = [key + self.suffix for _, key, _ in fetches]
-        return PendingStoreFetches(fetches, self._gets.submit(lambda: [self.store.get(k) for k in keys]), host_caches)
+        return PendingStoreFetches(fetches, self._gets.submit(self.store.get_many, keys), host_caches)
 
     def finish(self, pending: PendingStoreFetches) -> list[bool]:
         """After the step's forward: wait for the reads `start` began (each bounded by the store's timeout) and write

@@ -52,7 +52,29 @@ def test_round_trip_of_a_few_mib(store_server: StoreServer) -> None:
     stats = store.stats
     assert (stats.puts, stats.hits, stats.errors, stats.corrupt) == (2, 2, 0, 0)
     assert stats.put_bytes == len(value) + len(b"replaced")
-    assert stats.get_calls == 2 and stats.get_latency_s_sum > 0
+    assert stats.get_calls == stats.get_round_trips == 2 and stats.get_latency_s_sum > 0
+    store.close()
+
+
+def test_get_many_reads_hits_misses_and_refusals_in_one_request(store_server: StoreServer) -> None:
+    """One request for many entries (Redis MGET, Mooncake get_batch): each comes back as a single get would, a
+    corrupt one refused and deleted without spoiling the others."""
+    store = _open(store_server, "ns-many")
+    values = {f"kv/{i}": os.urandom(1000 + i) for i in range(6)}
+    for key, value in values.items():
+        assert store.put(key, value)
+    full = store_key("ns-many", "kv/3")
+    raw = store_server.raw_get(full)
+    assert raw is not None
+    store_server.raw_set(full, raw[:-1] + bytes([raw[-1] ^ 1]))  # one bit of kv/3's payload flipped
+    keys = [*values, "kv/absent"]
+    got = store.get_many(keys)
+    assert got == [None if k in ("kv/3", "kv/absent") else values.get(k) for k in keys]
+    stats = store.stats
+    assert (stats.get_calls, stats.get_round_trips) == (7, 1)
+    assert (stats.hits, stats.misses, stats.corrupt, stats.errors) == (5, 1, 1, 0)
+    assert not store.contains("kv/3")  # deleted, so that a recompute's put repairs it
+    assert store.get_many([]) == [] and store.stats.get_round_trips == 1
     store.close()
 
 

@@ -101,10 +101,10 @@ class _GatedStore:
     def stats(self) -> Any:
         return self.store.stats
 
-    def get(self, key: str) -> bytes | None:
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
         # A bound only so that a broken overlap fails the test instead of hanging it: the forward opens the gate.
         self.waited_for_the_forward.append(self.open.wait(120))
-        return self.store.get(key)
+        return self.store.get_many(keys)
 
 
 def test_store_reads_happen_while_the_step_computes_the_running_requests(store_server, tiny_dir):

@@ -41,9 +41,9 @@ class DictBackend:
         self._gate()
         self.data[key] = b"".join(parts)
 
-    def get(self, key: str) -> bytes | None:
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         self._gate()
-        return self.data.get(key)
+        return [self.data.get(key) for key in keys]
 
     def exists(self, key: str) -> bool:
         self._gate()
