@@ -46,10 +46,16 @@ class BoundedCaller:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # handed to the caller, if it still waits
-                future.set_exception(exc)
+            self._run(*job)
+            # An idle worker must not keep its last job: a failed call's future holds the exception, whose traceback
+            # holds the caller's frames and through them whatever called the store (an engine and its caches).
+            del job
+
+    @staticmethod
+    def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller, if it still waits
+            future.set_exception(exc)
