@@ -16,6 +16,14 @@ def client_api_key() -> str | None:
     return api_key() or os.environ.get("OPENAI_API_KEY") or None
 
 
+def cache_memory() -> str:
+    """`DELTASERVE_CACHE_MEMORY`: the default of `--cache-memory` (`CacheConfig.cache_memory`, in any form it
+    takes: '2GiB', '512MiB', '0.5'); '2GiB' when unset. Like vLLM's `VLLM_CPU_KVCACHE_SPACE`: it sizes every
+    engine a host starts, servers and workers included, without a flag each (the test suite sets it: a tiny engine's
+    2 GiB of zeroed cache cost more than a second to allocate, hundreds of times)."""
+    return os.environ.get("DELTASERVE_CACHE_MEMORY", "").strip() or "2GiB"
+
+
 def mxfp8_activations() -> bool:
     """`DELTASERVE_MXFP8_ACTIVATIONS=1`: round the inputs of MXFP4 expert GEMMs through MXFP8 (E4M3 with an E8M0
     scale per 32), emulating an MXFP4 x MXFP8 kernel (model-spec §10.4). Off by default (bf16/fp32 activations)."""

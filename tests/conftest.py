@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
+
+# Every engine a test starts (in this process, and the servers and workers it spawns, which inherit the variable)
+# gets this cache unless the test sizes it: the 2 GiB default, zeroed at start, cost the suite minutes and, with a
+# few engines alive at once, most of the CI machine's memory. Tiny checkpoints need a few MiB.
+os.environ.setdefault("DELTASERVE_CACHE_MEMORY", "256MiB")
 
 # Variants that exercise the paths the parity tests must cover (see model-spec §13.1).
 TINY_VARIANTS: dict[str, TinySpec] = {

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.config import ConfigError, ModelConfig
+from deltaserve.config import CacheConfig, ConfigError, ModelConfig
 from deltaserve.models.tiny import TinySpec, tiny_config_dict
 
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -159,3 +159,16 @@ def test_non_finite_checkpoint_floats_are_refused(value):
     MoE output NaN."""
     with pytest.raises(ConfigError, match="routed_scaling_factor=.* must be a finite number"):
         ModelConfig.from_dict(raw(routed_scaling_factor=value))
+
+
+def test_cache_memory_default_comes_from_the_environment(monkeypatch):
+    """DELTASERVE_CACHE_MEMORY sets the default of CacheConfig.cache_memory and of --cache-memory; unset, 2GiB."""
+    from deltaserve.entrypoints.cli import build_parser
+
+    monkeypatch.setenv("DELTASERVE_CACHE_MEMORY", "123MiB")
+    assert CacheConfig().cache_memory == "123MiB"
+    assert build_parser().parse_args(["serve"]).cache_memory == "123MiB"
+    assert CacheConfig(cache_memory="1GiB").cache_memory == "1GiB"  # a given value wins
+    monkeypatch.delenv("DELTASERVE_CACHE_MEMORY")
+    assert CacheConfig().cache_memory == "2GiB"
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).cache_memory == "2GiB"

@@ -9,6 +9,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from deltaserve import envs
 from deltaserve.config.fields import check_field_types
 from deltaserve.config.kv_transfer import KVTransferConfig
 from deltaserve.config.speculative import SpeculativeConfig
@@ -36,9 +37,9 @@ class CacheConfig:
 
     block_size: int = 16
     """Tokens per MLA KV block."""
-    cache_memory: str | float = "2GiB"
+    cache_memory: str | float = field(default_factory=envs.cache_memory)
     """Memory for both pools: bytes ('2GiB', '512MB', or a number) or a fraction of free memory ('0.5', or a float
-    up to 1.0)."""
+    up to 1.0). Default: $DELTASERVE_CACHE_MEMORY, else '2GiB'."""
     num_blocks: int | None = None
     """Override the planner: exactly this many KV blocks."""
     num_state_slots: int | None = None

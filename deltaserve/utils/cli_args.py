@@ -38,7 +38,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         kind = _base_type(hints[f.name])
         if dataclasses.is_dataclass(kind):
             continue
-        default = f.default
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         help_text = f"{docs.get(f.name, '')} (default: {default})"
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
