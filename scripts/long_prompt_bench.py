@@ -6,6 +6,7 @@ prefill seconds, microseconds per prompt token, the peak RSS and the time inside
 end the ratio between the last and the first per-token cost.
 
     python scripts/long_prompt_bench.py --lengths 4096,16384,65536 --chunk 8192 --threads 2
+    python scripts/long_prompt_bench.py --spec long-context --lengths 4096,65536,1048576 --chunk 65536
 """
 
 from __future__ import annotations
@@ -27,12 +28,16 @@ from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.executor.uniproc import UniprocExecutor
 from deltaserve.models.tiny import write_tiny_checkpoint
+from deltaserve.models.tiny_spec import LONG_CONTEXT, TinySpec
 from deltaserve.sampling_params import SamplingParams
 
+SPECS = {"default": TinySpec(), "long-context": LONG_CONTEXT}
 
-def make_checkpoint(out: Path, max_len: int) -> Path:
-    """A default `make-tiny` checkpoint (hidden 256, 8 layers) with `model_max_length` raised to `max_len`."""
-    write_tiny_checkpoint(out)
+
+def make_checkpoint(out: Path, max_len: int, spec: TinySpec) -> Path:
+    """A tiny checkpoint of `spec` (default `make-tiny`: hidden 256, 8 layers) with `model_max_length` raised to
+    `max_len`."""
+    write_tiny_checkpoint(out, spec)
     cfg_path = out / "config.json"
     raw = json.loads(cfg_path.read_text())
     raw["model_max_length"] = max_len
@@ -83,7 +88,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="4096,8192,16384,32768,65536")
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: a fresh make-tiny one, length raised)")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: a fresh tiny one of --spec, length raised)")
+    ap.add_argument("--spec", choices=sorted(SPECS), default="default",
+                    help="the tiny checkpoint: make-tiny's default, or long-context (one MLA layer of one head)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the child process: one length
     args = ap.parse_args()
     if args.one is not None:
@@ -91,7 +98,8 @@ def main() -> None:
         return
     lengths = [int(x) for x in args.lengths.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(make_checkpoint(Path(tmp) / "tiny", max(lengths) + 1024))
+        model = args.model or str(make_checkpoint(Path(tmp) / "tiny", max(lengths) + 1024,
+                                                       SPECS[args.spec]))
         first = None
         for length in lengths:
             cmd = [sys.executable, __file__, "--one", str(length), "--chunk", str(args.chunk),

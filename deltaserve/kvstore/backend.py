@@ -29,7 +29,8 @@ class Backend(Protocol):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each key's value (None: absent), in one round trip where the store allows (Redis MGET, Mooncake
-        get_batch): a prefix hit reads tens of blocks, and one request per block would pay a round trip each."""
+        get_batch): a prefix hit reads tens of blocks, and one request per block would pay a round trip each. An
+        entry the store has but cannot return raises for the whole batch (a miss of all of them, counted once)."""
         ...
 
     def exists(self, key: str) -> bool:

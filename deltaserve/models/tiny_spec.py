@@ -58,3 +58,14 @@ class TinySpec:
             raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor}")
         if self.shard_bytes < 0:
             raise ValueError(f"shard_bytes must be >= 0 (0 writes one file), got {self.shard_bytes}")
+
+
+LONG_CONTEXT = TinySpec(
+    layers=4, hidden=64, kda_heads=2, kda_head_dim=16, mla_heads=1, kv_lora_rank=16, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=16, experts=4, top_k=2, num_expert_group=1, topk_group=1, intermediate=128,
+    moe_intermediate=32, seed=6,
+)
+"""The smallest Kimi Linear shape that keeps every part: 3 KDA layers and 1 MLA layer of one head (a 1.2 MB
+checkpoint). MLA attention is the one cost that grows with the context (quadratic in it); here it is as small as it
+can be, so that a 1M-token prompt prefills in minutes on a CPU (scripts/long_prompt_bench.py --spec long-context,
+the slow tests of tests/engine/test_long_prompt.py)."""

@@ -2,8 +2,9 @@
 how the prompt is chunked (`max_num_batched_tokens`), and while it is prefilled the request holds one KDA state slot
 whatever its length; only its MLA KV blocks grow with the context.
 
-The slow variants run 64K and 256K-token prompts (chunks of 16K and 64K tokens); on a 2-core CPU the 64K one takes
-minutes and the 256K one about an hour, since MLA attention itself is quadratic (see docs/benchmarks.md)."""
+The slow variants run 64K- and 256K-token prompts (chunks of 16K and 64K tokens) on the long-context tiny checkpoint
+(`tiny_spec.LONG_CONTEXT`: one MLA layer of one head, since MLA attention is quadratic in the context; see
+docs/benchmarks.md): minutes on a 2-core CPU."""
 
 from __future__ import annotations
 
@@ -16,10 +17,18 @@ import torch
 
 from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from deltaserve.engine.engine_core import EngineCore
+from deltaserve.models.tiny import write_tiny_checkpoint
+from deltaserve.models.tiny_spec import LONG_CONTEXT
 from deltaserve.sampling_params import SamplingParams
 
 MAX_LEN = 1 << 20
 BLOCK = 16
+
+
+def _raise_limit(model: Path) -> Path:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_max_length": MAX_LEN}))
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +36,13 @@ def long_model(tiny_dir, tmp_path_factory) -> Path:
     """The base tiny checkpoint with `model_max_length` raised to 1M tokens."""
     model = tmp_path_factory.mktemp("tiny-1m") / "model"
     shutil.copytree(tiny_dir("base"), model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "model_max_length": MAX_LEN}))
-    return model
+    return _raise_limit(model)
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory) -> Path:
+    """The long-context tiny checkpoint with `model_max_length` raised to 1M tokens."""
+    return _raise_limit(write_tiny_checkpoint(tmp_path_factory.mktemp("long-context") / "model", LONG_CONTEXT))
 
 
 def _prompt(length: int) -> list[int]:
@@ -79,5 +92,5 @@ def test_long_prompt_chunking_keeps_greedy_tokens(long_model: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("length", [65536, 262144])
-def test_long_prompt_chunking_keeps_greedy_tokens_slow(long_model: Path, length: int) -> None:
-    _check(long_model, length, (16384, 65536))
+def test_long_prompt_chunking_keeps_greedy_tokens_slow(long_context_model: Path, length: int) -> None:
+    _check(long_context_model, length, (16384, 65536))
