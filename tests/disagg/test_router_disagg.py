@@ -84,7 +84,7 @@ def cell(tiny_dir, tmp_path_factory):
             stop_server(server)
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time
 def test_router_outputs_equal_unified_and_caches_move(cell, stream):
     unified, prefill, decodes, router = cell
     before, sent = received(decodes), metric(prefill, "kv_transfer_requests", direction="sent")

@@ -87,7 +87,7 @@ def test_emulator_counts_syncs_inside_kernels():
         assert stats.device_to_host == 4
 
 
-@pytest.mark.parametrize("variant", ["base", "k3", "odd-sizes"])
+@pytest.mark.parametrize("variant", ["base", *(pytest.param(v, marks=pytest.mark.slow) for v in ("k3", "odd-sizes"))])
 def test_engine_on_emulated_cuda_equals_cpu(tiny_dir, variant):
     """Greedy tokens on the emulated device (chunked prefill) equal the CPU run, for three checkpoint shapes."""
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

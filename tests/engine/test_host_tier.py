@@ -29,7 +29,8 @@ def conversation(llm: LLM, first: list[int]) -> list:
     return results
 
 
-@pytest.mark.parametrize(("variant", "tp"), [("base", 1), ("k3", 1), ("base", 2)])
+@pytest.mark.parametrize(("variant", "tp"), [("base", 1), ("k3", 1),
+                                             pytest.param("base", 2, marks=pytest.mark.slow)])  # CI time
 def test_session_evicted_from_the_device_comes_back_from_host_memory(tiny_dir, variant, tp):
     """tp=2: each worker rank keeps its own host copies (its heads' states), the scheduler's copies reach both."""
     path = str(tiny_dir(variant))

@@ -31,7 +31,7 @@ def drain(llm: LLM) -> None:
     llm.engine.executor.worker.runner.shared.drain()
 
 
-@pytest.mark.parametrize("variant", ["base", "k3"])
+@pytest.mark.parametrize("variant", ["base", pytest.param("k3", marks=pytest.mark.slow)])  # CI time
 def test_second_engine_hits_what_the_first_computed(store_server, tiny_dir, variant):
     path = str(tiny_dir(variant))
     prompts = [prompt_ids(600, 96, seed=11), prompt_ids(600, 101, seed=12)]  # on and off a block boundary

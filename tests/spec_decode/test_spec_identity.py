@@ -186,7 +186,7 @@ def base(tiny_dir) -> str:
     return str(tiny_dir("base"))
 
 
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3, 7])  # CI time
 def test_replay_proposals_give_plain_greedy_output(base, k):
     plain = plain_run(base, "float32")
     spec = check_speculative_run(base, "float32", ReplayProposer(plain.tokens, k, seed=k))
@@ -227,6 +227,7 @@ def test_k3_replay_proposals_give_plain_greedy_output(tiny_dir):
     assert spec.multi_token_outputs > 0
 
 
+@pytest.mark.slow  # CI time: test_draft_model.py's draft-equals-target and different-draft tests cover this
 def test_draft_model_proposals_give_plain_greedy_output(base):
     """The target as its own draft: its drafts are (nearly) always accepted, so most steps verify k tokens."""
     spec = check_speculative_run(base, "float32", draft(3, base, base))

@@ -20,7 +20,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
+# CI time: Kimi Linear's image path through the engine runs in CI by test_llm_images.py; all of this module on it
+# under -m slow.
+@pytest.fixture(scope="module", params=["kimi_k3", pytest.param("kimi_linear", marks=pytest.mark.slow)])
 def vision_path(request, tmp_path_factory):
     spec = TinySpec(arch=request.param, seed=4, vision=True)
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp(f"{request.param}-vision-engine"), spec))
