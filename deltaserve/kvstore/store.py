@@ -76,7 +76,8 @@ class KVStore(Protocol):
         ...
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """`get` of each key, in one request to the store: one timeout for all, and a failure misses them all."""
+        """`get` of each key, in as few requests as the store allows (`GuardedStore`: `GET_BATCH` entries each), each
+        bounded by the timeout; a failed request misses all of its entries."""
         ...
 
     def contains(self, key: str) -> bool:
