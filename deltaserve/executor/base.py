@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
+from deltaserve.executor.block_sync import BlockTableSender
 from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -65,9 +66,11 @@ class Executor(Protocol):
 
 class BroadcastExecutor:
     """The `Executor` methods shared by the executors that send every call to all ranks and answer with rank 0's
-    result: a subclass provides `_infos` (every rank's `WorkerInfo`) and `_call`."""
+    result: a subclass provides `_infos` (every rank's `WorkerInfo`) and `_call`. Block tables travel as what each
+    step appended (`block_sync.py`)."""
 
     _infos: list[WorkerInfo]
+    _block_sender: BlockTableSender | None = None
 
     def _call(self, method: str, *args: Any) -> Any:
         """Run `method(*args)` on every rank's worker; rank 0's result."""
@@ -80,6 +83,8 @@ class BroadcastExecutor:
         self._call("initialize_cache", layout, num_slots)
 
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
-        result = self._call("execute_model", out)
+        if self._block_sender is None:
+            self._block_sender = BlockTableSender()
+        result = self._call("execute_model", self._block_sender.encode(out))
         assert isinstance(result, RunnerOutput)
         return result

@@ -13,6 +13,7 @@ from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import init_parallel_group
 from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.executor.base import WorkerInfo
+from deltaserve.executor.block_sync import BlockDeltaStep, BlockTableReceiver
 from deltaserve.executor.shared_store import open_shared_store, shared_namespace
 from deltaserve.kvtransfer.transport import TransferServer
 from deltaserve.layers.linear import prepack_weights
@@ -84,6 +85,7 @@ class Worker:
             logger.info("packed %d weight tensors for the oneDNN linear", packed)
         self.device = next(self.model.parameters()).device
         self.runner: ModelRunner | None = None
+        self._block_tables = BlockTableReceiver()
         torch.manual_seed(config.seed)  # the shared generator of unseeded sampling
         kv = config.kv_transfer_config
         self.transfer_server: TransferServer | None = None
@@ -139,10 +141,12 @@ class Worker:
             self.transfer_server.close()
             self.transfer_server = None
 
-    def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute_model(self, step: SchedulerOutput | BlockDeltaStep) -> RunnerOutput:
+        """Run one step: a scheduler output, or one whose block tables are sent as deltas (another process's
+        executor)."""
         if self.runner is None:
             raise RuntimeError("execute_model before initialize_cache")
-        result = self.runner.execute(out)
+        result = self.runner.execute(self._block_tables.decode(step))
         if self.group.size > 1 and result.shared_fetched:  # an entry is usable only if every rank got its part
             result = dataclasses.replace(result, shared_fetched=self._on_every_rank(result.shared_fetched))
         if self.group.size > 1 and result.transfer is not None and result.transfer.fetched:

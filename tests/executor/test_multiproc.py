@@ -12,9 +12,10 @@ import openai
 import pytest
 
 from deltaserve import LLM
-from deltaserve.config import EngineConfig, ParallelConfig, SchedulerConfig
+from deltaserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.executor import WorkerDiedError
+from deltaserve.executor.block_sync import BlockDeltaStep, BlockTableSender
 from deltaserve.executor.multiproc import MultiprocExecutor
 from deltaserve.sampling_params import SamplingParams
 from tests.entrypoints.server_fixture import API_KEY, start_server, stop_server
@@ -57,6 +58,49 @@ def test_one_worker_process_equals_in_process(tiny_dir, variant):
     finally:
         mp.shutdown()
     assert all(not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) for pid in mp.executor.pids)
+
+
+class CountingSender(BlockTableSender):
+    """The executor's block-table sender, counting the tails it sends after the first (deltas) and whole lists."""
+
+    deltas = wholes = 0
+
+    def encode(self, out):
+        step = super().encode(out)
+        for tail in step.tails.values():
+            if tail.start:
+                self.deltas += 1
+            else:
+                self.wholes += 1
+        return step
+
+
+def test_block_table_deltas_under_preemption_rollback_and_prefix_hits(path):
+    """A cache of 6 blocks and 3 state slots (preemptions), n-gram speculation (rolled-back blocks) and prefix
+    hits: the worker process rebuilds each step's block tables from deltas, and the outputs equal in-process ones."""
+    repeat = prompt_ids(1024, 6, seed=40) * 4  # n-gram proposals find matches
+    reqs = {f"r{i}": (repeat[: 12 + 3 * i] + prompt_ids(1024, i, seed=41 + i),
+                      SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=20, ignore_eos=True))
+            for i in range(5)}
+    reqs["hit"] = (repeat[:24], SamplingParams(temperature=0.0, max_tokens=10))
+
+    def cfg(backend: str) -> EngineConfig:
+        return EngineConfig(model=path, parallel=ParallelConfig(distributed_executor_backend=backend),
+                            cache=CacheConfig(num_blocks=6, num_state_slots=3),
+                            scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4),
+                            speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                                 prompt_lookup_min=1, prompt_lookup_max=3))
+
+    uni = EngineCore(cfg("uni"))
+    mp = EngineCore(cfg("mp"))
+    try:
+        sender = mp.executor._block_sender = CountingSender()  # type: ignore[attr-defined]
+        assert generate(mp, reqs) == generate(uni, reqs)
+        stats = mp.get_stats()
+        assert stats.num_preemptions > 0 and stats.spec_num_draft_tokens > 0 and stats.prefix_hit_tokens > 0
+        assert sender.deltas > sender.wholes > 0
+    finally:
+        mp.shutdown()
 
 
 def test_killed_worker_is_a_fatal_error_with_its_exit_status(path):

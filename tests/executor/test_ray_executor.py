@@ -26,6 +26,7 @@ from deltaserve.engine.engine_core import EngineCore
 from deltaserve.executor import WorkerDiedError
 from deltaserve.executor.multiproc import MultiprocExecutor, WorkerError, free_port
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.scheduler.output import SchedulerOutput
 from tests.executor.test_multiproc import generate
 from tests.helpers import prompt_ids
 
@@ -145,7 +146,7 @@ def test_failed_call_then_killed_actor(tiny_dir, cluster, monkeypatch):
             while core.has_unfinished_requests():
                 core.step()
         with pytest.raises(WorkerDiedError, match="worker 1"):
-            executor.execute_model(None)  # type: ignore[arg-type]
+            executor.execute_model(SchedulerOutput(chunks=[]))
     finally:
         core.shutdown()
     assert not ray.is_initialized()
