@@ -115,8 +115,18 @@ def _wait_idle(server, timeout_s=30.0):
     raise AssertionError("requests still hold cache memory after the clients disconnected")
 
 
+def _errors(server, kind: str) -> float:
+    """deltaserve:request_errors_total of `kind` (0 before the first)."""
+    prefix = f'deltaserve:request_errors_total{{kind="{kind}",'
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
 def test_disconnected_stream_frees_memory(server):
+    """A client that leaves mid-stream: its request is aborted and its cache freed, and the stream is counted
+    as a client_disconnected error (a 200 went out, but the request did not complete)."""
     body = {"model": "tiny", "messages": USER, "max_tokens": 600, "stream": True, "ignore_eos": True}
+    disconnected = _errors(server, "client_disconnected")
     with httpx.stream("POST", f"{server.url}{CHAT}", json=body, headers=server.headers(), timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
@@ -124,6 +134,10 @@ def test_disconnected_stream_frees_memory(server):
         assert any(line.startswith("data: ") for line in got)
         assert server.metric("num_requests_running") == 1
     _wait_idle(server)  # closing the stream aborted the request
+    deadline = time.monotonic() + 30
+    while _errors(server, "client_disconnected") != disconnected + 1:
+        assert time.monotonic() < deadline, "the disconnected stream was not counted once"
+        time.sleep(0.1)
 
 
 def test_disconnected_non_stream_request_is_aborted(server):

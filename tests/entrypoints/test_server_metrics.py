@@ -148,3 +148,53 @@ def test_shared_store_counters_are_exposed():
     for name, value in (("gets", 5), ("get_hits", 3), ("get_bytes", 3000), ("get_seconds", 0.25), ("puts", 7),
                         ("put_bytes", 7000), ("put_seconds", 0.5), ("errors", 1), ("corrupt_entries", 2)):
         assert f'deltaserve:shared_cache_{name}_total{{model_name="m"}} {float(value)}' in text, name
+
+
+def _stream_events(client: TestClient, path: str, body: dict) -> list[str]:
+    with client.stream("POST", path, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200  # the failure comes after the headers
+        return [line for line in resp.iter_lines() if line]
+
+
+def _failing_after_first_update(frontend: Frontend, exc: Exception, monkeypatch) -> None:
+    """The engine's updates for the next requests end with `exc` after the first one (an engine that fails a
+    request, or a bug, mid-stream)."""
+    original = frontend.output.generate
+
+    async def generate(*args, **kwargs):
+        updates = original(*args, **kwargs)
+        try:
+            yield await updates.__anext__()
+            raise exc
+        finally:
+            await updates.aclose()
+
+    monkeypatch.setattr(frontend.output, "generate", generate)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_errors_after_a_stream_started_are_counted_once(inproc_frontend, monkeypatch, route):
+    """A stream's failure after its 200 (counted in http_requests as a 200) is counted in request_errors once, by
+    its kind: the engine failing the request mid-stream (400), a bug (500), the request's deadline (504)."""
+    from deltaserve.engine.protocol import EngineRequestError
+    from deltaserve.entrypoints.server.lifecycle import Lifecycle
+
+    body = {"model": "tiny", "max_tokens": 8, **({"prompt": "hello"} if route == "/v1/completions" else
+                                                 {"messages": USER})}
+    errors = inproc_frontend.metrics.errors_by_kind
+    for exc, kind, said in [(EngineRequestError("the engine failed it"), "bad_request", "the engine failed it"),
+                            (RuntimeError("a bug"), "internal", "internal error: RuntimeError")]:
+        before = dict(errors)
+        with monkeypatch.context() as patch, TestClient(build_app(inproc_frontend)) as client:
+            _failing_after_first_update(inproc_frontend, exc, patch)
+            events = _stream_events(client, route, body)
+        assert any(said in e for e in events) and "error" in events[-1 if route == "/v1/messages" else -2]
+        assert errors == {**before, kind: before.get(kind, 0) + 1}
+    before = dict(errors)
+    late = build_app(inproc_frontend, Lifecycle(request_timeout_s=1e-9))  # past its deadline at the first wait
+    with TestClient(late) as client:
+        events = _stream_events(client, route, body)
+    assert any("timeout_error" in e for e in events), events
+    assert errors == {**before, "timeout": before.get("timeout", 0) + 1}
+    text = TestClient(late).get("/metrics").text
+    assert f'deltaserve:request_errors_total{{kind="timeout",model_name="tiny"}} {errors["timeout"]:.1f}' in text

@@ -142,3 +142,64 @@ def test_store_reads_happen_while_the_step_computes_the_running_requests(store_s
                 cached = out.num_cached_tokens
     assert gated.waited_for_the_forward and all(gated.waited_for_the_forward)
     assert got["hit"] == reference and cached == 80  # the last full block with a state, from the store
+
+
+def test_a_random_run_over_all_three_tiers_leaks_nothing(store_server, tiny_dir):
+    """Requests sharing prefixes through a device cache of 16 blocks, a host tier of a few entries and the store,
+    with preemption (4 state slots, 16 blocks) and random aborts: every request that finished has the outputs of
+    a run without any cache, hits came from every tier, and afterwards every device block and slot is free, every
+    host-tier id is held once or free, nothing is pinned, reserved or fetching, and the scheduler holds nothing."""
+    import random
+
+    from deltaserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from deltaserve.engine.engine_core import EngineCore
+
+    path = str(tiny_dir("base"))
+    rng = random.Random(3)
+    bases = [prompt_ids(600, 72, seed=70 + k) for k in range(3)]
+    prompts = {f"q{i}": rng.choice(bases)[: rng.randint(16, 72)] + prompt_ids(600, rng.randint(0, 9), seed=200 + i)
+               for i in range(24)}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    reference = {rid: list(r.outputs[0].token_ids) for rid, r in zip(
+        prompts, LLM(model=path, enable_prefix_caching=False, **ENGINE).generate(list(prompts.values()), params),
+        strict=True)}
+    host_bytes = "1MiB"  # a few blocks and states of the tiny model: most demotions fall through to the store
+    core = EngineCore(EngineConfig(
+        model=path, scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        cache=CacheConfig(block_size=16, state_checkpoint_interval=32, num_blocks=16, num_state_slots=4,
+                          num_checkpoint_slots=2, host_cache_memory=host_bytes, shared_cache_url=store_server.url)))
+    try:
+        queue, done, aborted = list(prompts), {}, set()
+        outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+        while queue or core.has_unfinished_requests():
+            for _ in range(rng.randint(0, 2)):
+                if queue:
+                    rid = queue.pop(0)
+                    core.add_request(rid, prompts[rid], params)
+            if rng.random() < 0.08:
+                live = [rid for rid in prompts if rid not in done and rid not in aborted and rid not in queue]
+                if live:
+                    aborted.add(victim := rng.choice(live))
+                    core.abort_request(victim)
+            for out in core.step():
+                outputs[out.request_id].extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    done[out.request_id] = out.finish_reason
+            core.executor.worker.runner.shared.drain()  # the puts land before later lookups (deterministic hits)
+        core.step()  # the last finished ids reach the runner
+        finished = [rid for rid in done if rid not in aborted]
+        assert len(finished) >= 15 and aborted
+        assert {rid: outputs[rid] for rid in finished} == {rid: reference[rid] for rid in finished}
+        stats = core.cache.prefix_stats()
+        assert core.scheduler.num_preemptions > 0
+        assert stats.hit_tokens > stats.host_hit_tokens > 0 and core.cache.shared_fetched > 0
+        usage = core.cache.usage()
+        assert (usage.num_free_blocks, usage.num_free_slots) == (usage.num_blocks, usage.num_slots)
+        assert not core.cache._held and not core.cache._fetching
+        assert not core.scheduler.requests and not core.scheduler.running and not len(core.scheduler.waiting)
+        for tier in (core.cache.host.blocks, core.cache.host.checkpoints):
+            ids = [e.host_id for e in tier.entries.values()] + tier._free
+            assert sorted(ids) == list(range(tier.capacity))  # each id held once or free
+            assert all(e.pins == 0 and e.ready for e in tier.entries.values())
+    finally:
+        core.shutdown()

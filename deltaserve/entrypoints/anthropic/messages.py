@@ -17,7 +17,7 @@ from deltaserve.chat.messages import ChatMessage, ToolSpec
 from deltaserve.engine.output_processor import SequenceUpdate
 from deltaserve.entrypoints.anthropic.protocol import ContentBlock, CountTokensRequest, MessagesRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
-from deltaserve.entrypoints.server.errors import ApiError, bad_request
+from deltaserve.entrypoints.server.errors import bad_request
 from deltaserve.entrypoints.server.frontend import Frontend, chat_processors
 from deltaserve.entrypoints.server.images import RequestImages
 from deltaserve.entrypoints.server.prompt import RenderedPrompt
@@ -339,8 +339,8 @@ async def _events(frontend: Frontend, plan: MessagesPlan, message_id: str,
             "usage": {"output_tokens": len(c.token_ids)}})
         yield _event("message_stop", {})
     except Exception as exc:  # noqa: BLE001 - after the headers went out, an error can only be an event
-        err = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}")
-        yield f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n"
+        err = frontend.stream_error(exc)
+        yield err.anthropic_event()
     finally:
         await stream.aclose()  # aborts the sequence when the client went away mid-stream
 

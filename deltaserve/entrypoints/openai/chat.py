@@ -24,7 +24,7 @@ from deltaserve.entrypoints.openai.protocol import (
     ResponseFormat,
 )
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
-from deltaserve.entrypoints.server.errors import ApiError, bad_request
+from deltaserve.entrypoints.server.errors import bad_request
 from deltaserve.entrypoints.server.frontend import Frontend, chat_processors
 from deltaserve.entrypoints.server.images import RequestImages
 from deltaserve.entrypoints.server.prompt import RenderedPrompt
@@ -314,8 +314,8 @@ async def _events(frontend: Frontend, plan: ChatPlan, request_id: str, stream: A
         if usage_mode is not None:
             yield chunk([], acc.usage(len(plan.prompt_ids)))
     except Exception as exc:  # noqa: BLE001 - after the headers went out, an error can only be an event
-        err = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}")
-        yield f"data: {json.dumps(err.openai_body())}\n\n"
+        err = frontend.stream_error(exc)
+        yield err.openai_event()
     finally:
         await stream.aclose()  # aborts sequences still running when the client went away mid-stream
     yield "data: [DONE]\n\n"

@@ -20,7 +20,7 @@ from deltaserve.entrypoints.openai.logprobs import (
 )
 from deltaserve.entrypoints.openai.protocol import CompletionRequest
 from deltaserve.entrypoints.server.accumulate import ChoiceAccumulator
-from deltaserve.entrypoints.server.errors import ApiError, bad_request
+from deltaserve.entrypoints.server.errors import bad_request
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.sampling_params import SamplingParams
 
@@ -194,8 +194,8 @@ async def _events(frontend: Frontend, plan: CompletionPlan, body: CompletionRequ
                      "choices": [], "usage": acc.usage(prompt_tokens)}
             yield f"data: {json.dumps(event)}\n\n"
     except Exception as exc:  # noqa: BLE001 - after the headers went out, an error can only be an event
-        err = exc if isinstance(exc, ApiError) else ApiError(500, f"internal error: {type(exc).__name__}")
-        yield f"data: {json.dumps(err.openai_body())}\n\n"
+        err = frontend.stream_error(exc)
+        yield err.openai_event()
     finally:
         await stream.aclose()  # aborts sequences still running when the client went away mid-stream
     yield "data: [DONE]\n\n"

@@ -21,6 +21,7 @@ from deltaserve.entrypoints.router.health import check_all, run_health_checks
 from deltaserve.entrypoints.router.instances import InstancePool, Pools
 from deltaserve.entrypoints.router.metrics import RouterMetrics
 from deltaserve.entrypoints.router.proxy import Proxy, Upstream, forwarded_headers
+from deltaserve.utils.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -109,5 +110,6 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request and per health check
     server = uvicorn.Server(uvicorn.Config(build_app(config), host=config.host, port=config.port,
                                            log_level=log_level.lower(), access_log=False))
+    freeze_startup_heap()  # the router relays bodies as large as a server's: the same full-collection pauses
     server.run()
     return 0

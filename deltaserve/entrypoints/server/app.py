@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,11 +42,11 @@ from deltaserve.entrypoints.openai.protocol import (
     SamplingFields,
 )
 from deltaserve.entrypoints.openai.tokenize import TOKENIZE_REQUEST, detokenize, tokenize
-from deltaserve.entrypoints.server.errors import ApiError, validation_message
+from deltaserve.entrypoints.server.errors import ApiError, ErrorEvent, validation_message
 from deltaserve.entrypoints.server.frontend import Frontend
 from deltaserve.entrypoints.server.json_body import parse_json_object
 from deltaserve.entrypoints.server.lifecycle import AdmissionGate, Lifecycle
-from deltaserve.entrypoints.server.metrics import ReplicaCollector
+from deltaserve.entrypoints.server.metrics import ReplicaCollector, ServerMetrics
 from deltaserve.entrypoints.server.status import status_router
 
 logger = logging.getLogger(__name__)
@@ -56,9 +55,9 @@ VERSION = "0.1.0"
 SESSION_HEADER = "x-session-id"
 """Request header naming the client's session (data-parallel routing keeps a session on one replica)."""
 PARSE_OFF_LOOP_BYTES = 1 << 20
-"""Bodies of at least this many bytes are parsed in the frontend's render threads: an 8 MB body takes ~10 ms of
-decoding, scanning and `json.loads` (15-20 ms in a loaded server), which on the loop is one stall; in a thread the
-loop runs between those steps."""
+"""Bodies of at least this many bytes are parsed and validated in the frontend's render threads: an 8 MB body takes
+~10 ms of decoding, scanning and `json.loads` (15-20 ms in a loaded server), and validating 120,000 small messages
+~0.7-1.2 s, which on the loop is one stall; in a thread the loop runs between those steps."""
 
 
 def _is_anthropic(request: Request) -> bool:
@@ -81,11 +80,35 @@ def _error_for_path(path: str, err: ApiError) -> JSONResponse:
 def _error_event(path: str) -> Callable[[ApiError], str]:
     """How a stream on `path` reports an error after its headers went out (what the route's own stream sends)."""
     if _is_anthropic_path(path):
-        return lambda err: f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n"
-    return lambda err: f"data: {json.dumps(err.openai_body())}\n\ndata: [DONE]\n\n"
+        return ApiError.anthropic_event
+    return lambda err: ErrorEvent(err.openai_event() + "data: [DONE]\n\n", err.status)
 
 
-async def _read_json(request: Request, frontend: Frontend) -> Any:
+async def _counting_errors(events: AsyncIterator[str], metrics: ServerMetrics) -> AsyncIterator[str]:
+    """`events`, with the stream's failure counted in the request errors once (its 200 is counted already): the
+    status of its first `ErrorEvent`; else 499 when it is closed before its end (the client went away), as for a
+    non-streamed request whose client leaves, or 500 when it raises."""
+    failed = False
+    try:
+        async for event in events:
+            if isinstance(event, ErrorEvent) and not failed:
+                failed = True
+                metrics.observe_error(event.status)
+            yield event
+    except (GeneratorExit, asyncio.CancelledError):
+        if not failed:
+            metrics.observe_error(499)
+        raise
+    except Exception:
+        logger.exception("unhandled error in a stream")
+        if not failed:
+            metrics.observe_error(500)
+        raise
+
+
+async def _read_body(request: Request, frontend: Frontend, model: type[BaseModel] | TypeAdapter) -> Any:
+    """The request body parsed and validated as `model`; a body of a megabyte or more off the event loop (parsing
+    and validating 8 MB of small messages took ~1 s)."""
     limit, timeout_s = frontend.config.max_request_bytes, frontend.config.body_timeout_s
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -103,8 +126,17 @@ async def _read_json(request: Request, frontend: Frontend) -> Any:
                        headers={"Connection": "close"}) from None
     raw = b"".join(chunks)
     if len(raw) >= PARSE_OFF_LOOP_BYTES:
-        return await frontend.offload(parse_json_object, raw)
-    return parse_json_object(raw)
+        return await frontend.offload(_parse, raw, model)
+    return _parse(raw, model)
+
+
+def _parse(raw: bytes, model: type[BaseModel] | TypeAdapter) -> Any:
+    data = parse_json_object(raw)
+    try:
+        return model.validate_python(data) if isinstance(model, TypeAdapter) else model.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise ApiError(422 if _is_type_error(exc) else 400, message, param=param) from exc
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -132,19 +164,15 @@ async def _handle(frontend: Frontend, lifecycle: Lifecycle, request: Request, ro
     deadline = lifecycle.deadline()
     try:
         _authorize(frontend, request)
-        data = await _read_json(request, frontend)
-        try:
-            body = model.validate_python(data) if isinstance(model, TypeAdapter) else model.model_validate(data)
-        except ValidationError as exc:
-            message, param = validation_message(exc.errors())
-            raise ApiError(422 if _is_type_error(exc) else 400, message, param=param) from exc
+        body = await _read_body(request, frontend, model)
         session = request.headers.get(SESSION_HEADER)
         if session:
             _set_session(body, session)
         if run_stream is not None and getattr(body, "stream", False):
             events = await run_stream(frontend, body)
             frontend.metrics.observe_http(route, 200)
-            return StreamingResponse(lifecycle.guard_stream(events, deadline, _error_event(route)),
+            guarded = lifecycle.guard_stream(events, deadline, _error_event(route))
+            return StreamingResponse(_counting_errors(guarded, frontend.metrics),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         result = await lifecycle.run(run(frontend, body), deadline, _until_disconnect(request))

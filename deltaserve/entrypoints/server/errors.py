@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,18 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404:
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+class ErrorEvent(str):
+    """A server-sent event that reports an error after the stream's 200 went out; `status` is the HTTP status the
+    error stands for (what the request metrics count it as)."""
+
+    status: int
+
+    def __new__(cls, text: str, status: int) -> ErrorEvent:
+        event = super().__new__(cls, text)
+        event.status = status
+        return event
 
 
 class ApiError(Exception):
@@ -36,6 +49,14 @@ class ApiError(Exception):
         """`{"type": "error", "error": {"type", "message"}}`."""
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
                                            "message": self.message}}
+
+    def openai_event(self) -> ErrorEvent:
+        """The error as an OpenAI stream's event (`data: {"error": ...}`)."""
+        return ErrorEvent(f"data: {json.dumps(self.openai_body())}\n\n", self.status)
+
+    def anthropic_event(self) -> ErrorEvent:
+        """The error as an Anthropic stream's `error` event."""
+        return ErrorEvent(f"event: error\ndata: {json.dumps(self.anthropic_body())}\n\n", self.status)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

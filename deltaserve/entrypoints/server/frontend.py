@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
@@ -38,6 +39,7 @@ from deltaserve.structured.backend import StructuredOutputBackend
 from deltaserve.structured.schema_check import check_satisfiable
 from deltaserve.text.tokenizer import Tokenizer, TokenLimitExceeded
 
+logger = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
 RENDER_THREADS = 4
@@ -85,6 +87,14 @@ class Frontend:
         that a large body does not stall every other request's stream."""
         return await asyncio.get_running_loop().run_in_executor(self._render_pool,
                                                                 functools.partial(fn, *args, **kwargs))
+
+    def stream_error(self, exc: Exception) -> ApiError:
+        """What a stream reports (as its last event) for `exc`, raised after its 200 went out: the `ApiError` itself,
+        else a logged internal error."""
+        if isinstance(exc, ApiError):
+            return exc
+        logger.error("unhandled error in a stream", exc_info=exc)
+        return ApiError(500, f"internal error: {type(exc).__name__}")
 
     def check_text_length(self, num_chars: int, *, param: str) -> None:
         """400 before tokenizing when `num_chars` characters of prompt text cannot fit `max_model_len` whatever

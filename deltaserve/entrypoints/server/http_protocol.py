@@ -4,7 +4,7 @@ uvicorn times out idle keep-alive connections but not a client that opens a conn
 its headers a byte at a time: each such connection would be held forever. `with_header_timeout` makes the httptools
 protocol (what uvicorn[standard] uses) answer 408 and close a connection whose headers are not complete within the
 bound, counted from the connection's opening or from the first byte of each later request on it. The body's bound
-is the app's (`app._read_json`).
+is the app's (`app._read_body`).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from deltaserve.entrypoints.server.lifecycle import Lifecycle
 from deltaserve.entrypoints.server.metrics import ServerMetrics
 from deltaserve.structured.factory import make_backend
 from deltaserve.text.tokenizer import Tokenizer
+from deltaserve.utils.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig, log_le
                                 http=with_header_timeout(server_config.header_timeout_s))
         server = _Server(config, lifecycle)
         watcher = asyncio.ensure_future(_watch_engine(client, server, server_config.restart_engine))
+        freeze_startup_heap()
         logger.info("serving %s on http://%s:%d (OpenAI /v1/chat/completions, /v1/completions; Anthropic "
                     "/v1/messages)", frontend.model_name, server_config.host, server_config.port)
         await server.serve()

@@ -26,8 +26,8 @@ from deltaserve.entrypoints.server.rolling import RollingWindow
 logger = logging.getLogger(__name__)
 
 ERROR_KINDS = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
-               413: "request_too_large", 422: "invalid_request", 429: "rate_limited", 499: "client_disconnected",
-               500: "internal", 503: "unavailable", 504: "timeout"}
+               408: "request_timeout", 413: "request_too_large", 422: "invalid_request", 429: "rate_limited",
+               499: "client_disconnected", 500: "internal", 503: "unavailable", 504: "timeout"}
 """The `kind` label of `deltaserve:request_errors` by HTTP status (others: `http_<status>`)."""
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -272,9 +272,14 @@ class ServerMetrics:
     def observe_http(self, route: str, status: int) -> None:
         self.requests.labels(self._model, route, str(status)).inc()
         if status >= 400:
-            kind = ERROR_KINDS.get(status, f"http_{status}")
-            self.errors.labels(self._model, kind).inc()
-            self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
+            self.observe_error(status)
+
+    def observe_error(self, status: int) -> None:
+        """Count an error of HTTP status `status` by kind: an answer's, or one a stream reported (or a client
+        disconnect it saw, 499) after its 200 went out."""
+        kind = ERROR_KINDS.get(status, f"http_{status}")
+        self.errors.labels(self._model, kind).inc()
+        self.errors_by_kind[kind] = self.errors_by_kind.get(kind, 0) + 1
 
     def observe_finished(self, reason: str, *, prompt_tokens: int, generated: int, ttft: float | None,
                          e2e: float) -> None:
