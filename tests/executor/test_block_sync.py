@@ -32,7 +32,7 @@ def test_random_history_round_trips_and_is_forgotten():
     for step in range(400):
         for _ in range(rng.randrange(3)):  # new requests (an id may come back after it finished)
             lists[f"r{rng.randrange(12)}"] = BlockList(rng.randrange(1000) for _ in range(rng.randrange(1, 5)))
-        for rid, ids in lists.items():
+        for ids in lists.values():
             roll = rng.random()
             if roll < 0.6:
                 ids.extend(rng.randrange(1000) for _ in range(rng.randrange(3)))

@@ -15,7 +15,7 @@ from deltaserve import LLM
 from deltaserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.executor import WorkerDiedError
-from deltaserve.executor.block_sync import BlockDeltaStep, BlockTableSender
+from deltaserve.executor.block_sync import BlockTableSender
 from deltaserve.executor.multiproc import MultiprocExecutor
 from deltaserve.sampling_params import SamplingParams
 from tests.entrypoints.server_fixture import API_KEY, start_server, stop_server
