@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from deltaserve.kvstore.config import KVStoreConfig
+from deltaserve.kvstore.entry import store_key
 from deltaserve.kvstore.factory import make_backend
 from deltaserve.kvstore.guarded import GuardedStore
 from deltaserve.kvstore.servers import LocalMooncake, LocalRedis
@@ -82,6 +83,7 @@ def measure_batched(url: str, count: int, size_kib: int, repeat: int) -> Batched
     """The time to read `count` entries one request each and all in one request, through the KVStore."""
     config = KVStoreConfig(url=url, ttl_s=3600.0, max_entry_bytes=size_kib << 10, timeout_s=60.0)
     store = GuardedStore(make_backend(config), "bench-batched", config)
+    raw = make_backend(config)
     keys = [f"kv/{i}" for i in range(count)]
     try:
         for key in keys:
@@ -98,7 +100,10 @@ def measure_batched(url: str, count: int, size_kib: int, repeat: int) -> Batched
             if singles != together or any(v is None for v in together):
                 raise RuntimeError(f"{url}: the batched read differs from the single reads: {store.stats}")
     finally:
+        for key in keys:  # a shared store (--url) keeps nothing of the benchmark's
+            raw.delete(store_key(store.namespace, key))
         store.close()
+        raw.close()
     return BatchedRead(url.split("?")[0], count, size_kib, one_by_one, batched)
 
 
