@@ -41,8 +41,9 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_tool_data import make_conversations, render_example  # noqa: E402
 from make_vision_data import make_example, split_rng  # noqa: E402
-from train_tiny import lr_at, make_model_eval  # noqa: E402
+from train_tiny import CODE_CHARS, Batches, lr_at, make_model_eval, masked_losses, read_code, tokenize_code  # noqa: E402
 
 from deltaserve.chat import ChatMessage, get_chat_format  # noqa: E402
 from deltaserve.chat.media import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, MEDIA_TOKENS, ImageSlot  # noqa: E402
@@ -102,6 +103,18 @@ def text_config(raw: dict, media: dict[str, int]) -> dict:
     return {**raw, "vocab_size": BASE_VOCAB + len(MEDIA_TOKENS), "media_placeholder_token_id": media[MEDIA_PAD]}
 
 
+def make_text_batches(model_dir: Path, seed: int) -> Batches:
+    """Rows of the language model's own training mix (`scripts/train_default_model.sh`'s settings), rendered with
+    the extended tokenizer (the text ids are unchanged: the media tokens come after them)."""
+    tok = Tokenizer.from_pretrained(model_dir)
+    fmt = get_chat_format(model_dir, tok)
+    convs = [render_example(fmt, c)
+             for c in make_conversations("train", 20000, seed + 1, synthetic=0.9, plain_share=0.65, short_copy=True,
+                                         copy_share=0.7, list_share=0.5, neutral_share=0.3)]
+    code = tokenize_code(model_dir, read_code("train", CODE_CHARS))
+    return Batches(convs, code, 640, seed + 1, 0.1)
+
+
 # ---------------------------------------------------------------- the tower
 def init_vision(model: KimiVisionModel, seed: int) -> None:
     """Fan-in-scaled matrices, unit norms, zero biases, a small position grid; trainable."""
@@ -140,7 +153,7 @@ def render(fmt, tok: Tokenizer, processing: ImageProcessingConfig, rng: random.R
                    image.grid_thw, caption)
 
 
-def main() -> None:  # noqa: PLR0915 - a linear script
+def main() -> None:  # noqa: PLR0915, C901 - a linear script
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path("deltaserve/default_model"))
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: --model, in place)")
@@ -155,6 +168,13 @@ def main() -> None:  # noqa: PLR0915 - a linear script
                              "its caption's tokens (a form the frozen model already copies from)")
     parser.add_argument("--init-from", type=Path, default=None,
                         help="start the tower, projector and marker embeddings from this checkpoint's")
+    parser.add_argument("--lm-lr", type=float, default=0.0,
+                        help="also train the language model at this peak learning rate (0: frozen). The frozen model "
+                             "cannot answer even from a text caption (12.5%% of held-out questions), so reading "
+                             "images needs it trained; --text-rows keeps its text skills")
+    parser.add_argument("--text-rows", type=int, default=0,
+                        help="rows of the language model's own training data (train_tiny.py's mix) per step, so that "
+                             "training on images does not erase its tool calling")
     parser.add_argument("--time-limit-min", type=float, default=None,
                         help="stop early (cosine schedule still planned for --steps) and save")
     args = parser.parse_args()
@@ -174,9 +194,10 @@ def main() -> None:  # noqa: PLR0915 - a linear script
     config = text_config(raw, media)
     (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(text, str(work / "model.safetensors"), metadata={"format": "pt"})
-    lm = make_model_eval(work)  # fp32, frozen
+    lm = make_model_eval(work)  # fp32
     for p in lm.parameters():
-        p.requires_grad_(False)
+        p.requires_grad_(args.lm_lr > 0)
+    text_batches = make_text_batches(work, args.seed) if args.text_rows else None
 
     vision_config = parse_vision({"vision_config": VISION_CONFIG}, raw["hidden_size"])
     assert vision_config is not None
@@ -196,18 +217,25 @@ def main() -> None:  # noqa: PLR0915 - a linear script
     params = [*vision.parameters(), markers]
     decay = [p for p in vision.parameters() if p.dim() >= 2]
     no_decay = [p for p in vision.parameters() if p.dim() < 2] + [markers]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": 0.01, "peak": args.lr},
+              {"params": no_decay, "weight_decay": 0.0, "peak": args.lr}]
+    if args.lm_lr > 0:
+        lm_params = list(lm.parameters())
+        params += lm_params
+        groups.append({"params": lm_params, "weight_decay": 0.05, "peak": args.lm_lr})
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     fmt = get_chat_format(work, tok)
     processing = ImageProcessingConfig.for_vision(vision_config)
     rng = split_rng("train", args.seed)
     placeholder = media[MEDIA_PAD]
-    print(f"vision tower {sum(p.numel() for p in vision.parameters()) / 1e6:.2f}M parameters; language model frozen; "
+    print(f"vision tower {sum(p.numel() for p in vision.parameters()) / 1e6:.2f}M parameters; language model "
+          f"{f'trained (peak lr {args.lm_lr:g}, {args.text_rows} text rows per step)' if args.lm_lr else 'frozen'}; "
           f"{args.steps} steps of {args.batch}", flush=True)
 
     log: list[dict] = []
     window: list[float] = []
     caption_window: list[float] = []
+    text_window: list[float] = []
     tokens_seen = 0
     step = 0
     for step in range(args.steps):
@@ -237,9 +265,15 @@ def main() -> None:  # noqa: PLR0915 - a linear script
         logits = lm.lm_head(hidden[:, :-1][target])
         answer_loss = F.cross_entropy(logits.float(), ids[:, 1:][target])
         loss = answer_loss + args.caption_weight * caption_loss
+        if text_batches is not None:
+            text_ids, kind = text_batches.batch(args.text_rows)
+            text_logits = lm(input_ids=text_ids).logits
+            conv_loss, code_loss = masked_losses(text_logits, text_ids, kind)
+            loss = loss + conv_loss + 0.3 * code_loss
+            text_window.append(float(conv_loss.detach()))
         lr = lr_at(step, args.steps, args.lr, args.warmup)
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr_at(step, args.steps, group["peak"], args.warmup)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -250,11 +284,13 @@ def main() -> None:  # noqa: PLR0915 - a linear script
         if step % 10 == 9 or step == args.steps - 1:
             elapsed = time.time() - started
             mean, caption_mean = sum(window) / len(window), sum(caption_window) / len(caption_window)
-            window, caption_window = [], []
-            log.append({"step": step + 1, "loss": round(mean, 4), "caption_loss": round(caption_mean, 4), "lr": lr,
-                        "elapsed_s": round(elapsed, 1)})
+            text_mean = sum(text_window) / len(text_window) if text_window else 0.0
+            window, caption_window, text_window = [], [], []
+            log.append({"step": step + 1, "loss": round(mean, 4), "caption_loss": round(caption_mean, 4),
+                        "text_loss": round(text_mean, 4), "lr": lr, "elapsed_s": round(elapsed, 1)})
             eta = elapsed / (step + 1) * (args.steps - step - 1)
-            print(f"step {step + 1}/{args.steps} loss {mean:.4f} caption {caption_mean:.4f} lr {lr:.2e} "
+            print(f"step {step + 1}/{args.steps} loss {mean:.4f} caption {caption_mean:.4f} text {text_mean:.4f} "
+                  f"lr {lr:.2e} "
                   f"{tokens_seen / elapsed:.0f} tok/s elapsed {elapsed / 60:.1f} min eta {eta / 60:.1f} min",
                   flush=True)
         if args.time_limit_min is not None and time.time() - started > 60 * args.time_limit_min:
@@ -263,6 +299,10 @@ def main() -> None:  # noqa: PLR0915 - a linear script
 
     # ------------------------------------------------------------ write the checkpoint
     final = dict(text)
+    if args.lm_lr > 0:  # the trained language model, in the checkpoint's dtypes
+        for name, t in lm.state_dict().items():
+            if name in final:
+                final[name] = t.detach().to(final[name].dtype).contiguous()
     embed = final["model.embed_tokens.weight"].clone()
     embed[marker_ids] = markers.detach().to(embed.dtype)
     final["model.embed_tokens.weight"] = embed
