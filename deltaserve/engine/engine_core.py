@@ -371,7 +371,8 @@ class EngineCore:
             host_promoted_bytes=(prefix.host_blocks_promoted * self.cache.block_bytes
                                  + prefix.host_checkpoints_promoted * self.cache.bytes_per_slot),
             host_copy_seconds=self.stats.host_copy_seconds, shared_fetched=self.cache.shared_fetched,
-            shared_fetch_failures=self.cache.shared_fetch_failures, **shared_store_stats(self.stats.shared_store),
+            shared_fetch_failures=self.cache.shared_fetch_failures, **shared_store_stats(
+                self.stats.shared_store, None if self.shared_store is None else self.shared_store.stats),
             kv_transfer_sent=self.transfer.sent, kv_transfer_sent_kv_bytes=self.transfer.sent_kv_bytes,
             kv_transfer_sent_state_bytes=self.transfer.sent_state_bytes, kv_transfer_received=self.cache.remote_fetched,
             kv_transfer_received_kv_bytes=self.transfer.received_kv_bytes,

@@ -104,11 +104,16 @@ class EngineStats:
     """Time in the vision tower and projector (cumulative)."""
 
 
-def shared_store_stats(store: KVStoreStats | None) -> dict[str, Any]:
-    """The `EngineStats.shared_*` store-level fields from a store's counters (all 0 without a store)."""
-    if store is None:
-        return {}
-    return {"shared_gets": store.get_calls, "shared_get_hits": store.hits, "shared_get_bytes": store.hit_bytes,
-            "shared_get_seconds": store.get_latency_s_sum, "shared_puts": store.puts,
-            "shared_put_bytes": store.put_bytes, "shared_put_seconds": store.put_latency_s_sum,
-            "shared_errors": store.errors, "shared_corrupt": store.corrupt}
+def shared_store_stats(store: KVStoreStats | None, lookups: KVStoreStats | None = None) -> dict[str, Any]:
+    """The `EngineStats.shared_*` store-level fields from a store's counters (all 0 without a store): rank 0's
+    reads and writes (`store`), and the errors of the engine core's own client (`lookups`: the existence checks
+    before admission, the first calls to fail when the store dies)."""
+    out: dict[str, Any] = {}
+    if store is not None:
+        out = {"shared_gets": store.get_calls, "shared_get_hits": store.hits, "shared_get_bytes": store.hit_bytes,
+               "shared_get_seconds": store.get_latency_s_sum, "shared_puts": store.puts,
+               "shared_put_bytes": store.put_bytes, "shared_put_seconds": store.put_latency_s_sum,
+               "shared_errors": store.errors, "shared_corrupt": store.corrupt}
+    if lookups is not None:
+        out["shared_errors"] = out.get("shared_errors", 0) + lookups.errors
+    return out

@@ -203,3 +203,24 @@ def test_a_random_run_over_all_three_tiers_leaks_nothing(store_server, tiny_dir)
             assert all(e.pins == 0 and e.ready for e in tier.entries.values())
     finally:
         core.shutdown()
+
+
+def test_a_store_killed_mid_run_is_a_counted_recompute(store_server, tiny_dir):
+    """An engine whose store (Redis, or Mooncake's master) dies while it runs: its next requests, which would have
+    hit the store, recompute with the outputs of a run without caching, each in a fraction of a second (every call
+    bounded by shared_cache_timeout_s, then skipped while the store is down), and the errors are counted."""
+    path = str(tiny_dir("base"))
+    prompts = [prompt_ids(600, 64, seed=40 + i) for i in range(3)]
+    reference = [ids for ids, _ in tokens(LLM(model=path, enable_prefix_caching=False, **ENGINE), prompts)]
+    llm = LLM(model=path, shared_cache_url=store_server.url, shared_cache_timeout_s=0.5, **ENGINE)
+    assert [ids for ids, _ in tokens(llm, prompts)] == reference
+    drain(llm)
+    llm.engine.reset_prefix_cache()  # device and host tiers forget: these prompts' cache is in the store only
+    assert llm.engine.get_stats().shared_errors == 0
+    store_server.kill()
+    try:
+        assert tokens(llm, prompts) == [(ids, 0) for ids in reference]
+        assert llm.engine.get_stats().shared_errors > 0  # the admission lookups that found the store dead
+    finally:
+        store_server.restart()
+        llm.shutdown()
