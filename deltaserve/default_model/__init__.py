@@ -1,6 +1,7 @@
-"""The embedded default model: a small Kimi Linear checkpoint trained offline (`scripts/train_tiny.py`), package data.
+"""The embedded default model: a small Kimi Linear checkpoint with a small vision tower, trained offline
+(`scripts/train_tiny.py`, then `scripts/train_vision.py`), package data.
 
-`LLM()` and `deltaserve serve` without a model load it; its data, command, seed and held-out results are in
+`LLM()` and `deltaserve serve` without a model load it; its data, commands, seed and held-out results are in
 `MODEL_CARD.md` beside this file.
 """
 
