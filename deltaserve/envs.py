@@ -30,6 +30,14 @@ def mxfp8_activations() -> bool:
     return os.environ.get("DELTASERVE_MXFP8_ACTIVATIONS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def host_copy_overlap() -> bool | None:
+    """`DELTASERVE_HOST_COPY_OVERLAP`: `1` runs the host tier's copies beside the forward, layer by layer, `0` all
+    before it (the reference); unset: beside it on a GPU (a copy stream), before it on a CPU (where a copy thread
+    only competes with the forward for the same cores and memory: measured slower on 2 cores)."""
+    value = os.environ.get("DELTASERVE_HOST_COPY_OVERLAP", "").strip().lower()
+    return None if not value else value not in ("0", "false", "no", "off")
+
+
 def ops_backend() -> str:
     """`DELTASERVE_OPS_BACKEND`: forces op backends (parsed by `deltaserve.ops.dispatch`): `ref` for every op, or
     per op `kda_prefill=ref,mla_decode=flash`. Empty by default (each op picks its first capable backend)."""

@@ -12,7 +12,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 { nvidia-smi; $py -c "import torch, transformers; print(torch.__version__, transformers.__version__,
   torch.cuda.get_device_name(0))"; } > "$out/env.txt" 2>&1
-$py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py > "$out/pytest-gpu.txt" 2>&1
+$py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py tests/runner/test_host_cache.py > "$out/pytest-gpu.txt" 2>&1
 tail -3 "$out/pytest-gpu.txt"
 bench() {  # name, then bench offline arguments; without the transformers baseline if that one fails
   $py -m deltaserve.entrypoints.cli bench offline --device cuda --result-file "$out/$1.json" "${@:2}" \
@@ -24,3 +24,9 @@ bench() {  # name, then bench offline arguments; without the transformers baseli
 bench offline-32x256x128 --num-prompts 32 --input-len 256 --output-len 128
 bench offline-64x1024x256 --num-prompts 64 --input-len 1024 --output-len 256
 bench offline-bf16-32x256x128 --dtype bfloat16 --num-prompts 32 --input-len 256 --output-len 128
+# The host tier's copies on a copy stream beside the forward vs all before it (issue 20), rehydrating an evicted 4K
+# session on the tiny checkpoint.
+$py -m deltaserve.entrypoints.cli bench followup --device cuda --evict-tokens 8000 --num-blocks 400 \
+  --host-cache-memory 512MiB --shared 0.97 --compare-copy-overlap --result-file "$out/followup-overlap.json" \
+  > "$out/followup-overlap.txt" 2>&1
+tail -8 "$out/followup-overlap.txt"

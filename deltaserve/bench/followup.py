@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +37,8 @@ class FollowupBenchArgs:
     """Engine per-step token budget."""
     dtype: str = "float32"
     """'float32' or 'bfloat16'."""
+    device: str = "cpu"
+    """'cpu' or 'cuda'."""
     seed: int = 0
     """Seed of the random prompts."""
     target: float = 0.15
@@ -46,6 +51,9 @@ class FollowupBenchArgs:
     """Engine KV blocks on the device (default: sized from cache_memory)."""
     host_cache_memory: str | None = None
     """Host tier (L2) size for the rehydration run (with evict_tokens)."""
+    compare_copy_overlap: bool = False
+    """With evict_tokens: rehydrate twice more, with the host tier's copies beside the forward, layer by layer
+    (`DELTASERVE_HOST_COPY_OVERLAP=1`), and all before it (`0`), and report the two TTFTs' ratio."""
     result_file: str | None = None
     """Write the results as JSON here."""
 
@@ -77,8 +85,8 @@ def run_followup(args: FollowupBenchArgs) -> dict:
     reusable = num_shared // args.state_checkpoint_interval * args.state_checkpoint_interval
     print(f"follow-up benchmark: {args.prompt_len}-token prompt, follow-up shares {num_shared} tokens "
           f"(last checkpoint inside: {reusable}), {args.output_len} output tokens, checkpoint {model}", flush=True)
-    engine_args = dict(dtype=args.dtype, block_size=args.block_size, cache_memory=args.cache_memory,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+    engine_args = dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
+                       cache_memory=args.cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
     print("cold: follow-up alone on a fresh engine ...", flush=True)
     llm = make_llm(model, caching=True, checkpoint_interval=args.state_checkpoint_interval, **engine_args)
     cold = _time_request(llm, "followup", followup, args.output_len)
@@ -113,28 +121,58 @@ def _evicted_followup(args: FollowupBenchArgs, model: str, first: list[int], fol
     vocab = max(first) + 32
     fillers = [[rng.randrange(vocab - 32) for _ in range(1000)] for _ in range(-(-args.evict_tokens // 1000))]
     runs: dict[str, dict] = {}
-    for name, host in (("recomputed", None), ("rehydrated", args.host_cache_memory)):
+    modes: list[tuple[str, str | None, str | None]] = [("recomputed", None, None),
+                                                       ("rehydrated", args.host_cache_memory, None)]
+    if args.compare_copy_overlap:
+        modes += [("rehydrated, copies beside the forward", args.host_cache_memory, "1"),
+                  ("rehydrated, copies before the forward", args.host_cache_memory, "0")]
+    for name, host, overlap in modes:
         print(f"{name}: first prompt, {len(fillers)} x 1,000 tokens of other prompts, then the follow-up ...",
               flush=True)
         extra: dict[str, str] = {} if host is None else {"host_cache_memory": host}
-        llm = make_llm(model, caching=True, checkpoint_interval=args.state_checkpoint_interval, **engine_args, **extra)
+        with _environment("DELTASERVE_HOST_COPY_OVERLAP", overlap):  # read when the engine's worker starts
+            llm = make_llm(model, caching=True, checkpoint_interval=args.state_checkpoint_interval, **engine_args,
+                           **extra)
         _time_request(llm, "first", first, args.output_len)
         for i, prompt in enumerate(fillers):
             _time_request(llm, f"filler-{i}", prompt, 1)
+        copy_s = llm.engine.get_stats().host_copy_seconds
         runs[name] = _time_request(llm, "followup", followup, args.output_len)
+        runs[name]["host_copy_s"] = llm.engine.get_stats().host_copy_seconds - copy_s
         runs[name]["prefix_stats"] = prefix_stats(llm)
         del llm
     ratio = runs["rehydrated"]["ttft_s"] / runs["recomputed"]["ttft_s"]
     result = {"config": asdict(args), "cold": cold, **runs, "ttft_ratio": ratio, "passed": ratio <= args.target}
-    _print_table(("", "TTFT (ms)", "cached tokens"), [
-        (name, f"{r['ttft_s'] * 1000:.0f}", str(r["cached_tokens"]))
-        for name, r in (("follow-up, cold", cold), ("evicted, recomputed", runs["recomputed"]),
-                        ("evicted, rehydrated", runs["rehydrated"]))])
+    _print_table(("", "TTFT (ms)", "cached tokens", "host-tier copies (ms)"), [
+        (name, f"{r['ttft_s'] * 1000:.0f}", str(r["cached_tokens"]), f"{r.get('host_copy_s', 0) * 1000:.1f}")
+        for name, r in (("follow-up, cold", cold), *((f"evicted, {k}", v) for k, v in runs.items()))])
     print(f"rehydrated / recomputed TTFT: {ratio:.1%} (target <= {args.target:.0%}: "
           f"{'PASS' if result['passed'] else 'FAIL'})")
+    if args.compare_copy_overlap:
+        result["overlap_ratio"] = (runs["rehydrated, copies beside the forward"]["ttft_s"]
+                                   / runs["rehydrated, copies before the forward"]["ttft_s"])
+        print(f"rehydrated TTFT, copies beside / before the forward: {result['overlap_ratio']:.2f}x")
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """`name=value` in this process's environment for the block (an engine reads its settings when it starts);
+    None: as it is."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

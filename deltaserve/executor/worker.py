@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from deltaserve import envs
 from deltaserve.cache.planner import CacheLayout
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import init_parallel_group
@@ -106,7 +107,8 @@ class Worker:
         self.runner = ModelRunner(self.model, num_blocks=layout.num_blocks, block_size=layout.block_size,
                                   num_slots=num_slots,
                                   max_num_tokens=self.config.scheduler.max_num_batched_tokens,
-                                  num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots)
+                                  num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots,
+                                  overlap_host_copies=envs.host_copy_overlap())
         if self.vision is not None:
             self.runner.images = ImageEmbedder(self.vision, EncoderCache(self.config.cache.encoder_cache_bytes),
                                              getattr(torch, self.config.dtype))

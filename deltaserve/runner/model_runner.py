@@ -11,18 +11,19 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.cache.remote import TransferResult
-from deltaserve.layers.forward_batch import KDALayerCache
+from deltaserve.layers.forward_batch import KDALayerCache, LayerCache
 from deltaserve.models.protocol import Model
 from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.outputs import TokenLogprobs
-from deltaserve.runner.host_cache import HostCache
+from deltaserve.runner.host_cache import HostCache, HostCopyJob
 from deltaserve.runner.image_embedder import ImageEmbedder
 from deltaserve.runner.input_batch import InputBatch
 from deltaserve.runner.kv_tensors import allocate_layer_caches
 from deltaserve.runner.kv_transfer_io import KVTransferIO
 from deltaserve.runner.sampler import DraftToken, SamplingRow, TokenBitmask, sample
 from deltaserve.runner.shared_io import SharedStoreIO
+from deltaserve.runner.staged_caches import StagedCaches
 from deltaserve.scheduler.output import (
     EncoderStepStats,
     NewRequestData,
@@ -48,8 +49,11 @@ class ModelRunner:
     """Owns the model and its cache tensors; `execute` runs one step over any mix of prefill and decode chunks."""
 
     def __init__(self, model: Model, *, num_blocks: int, block_size: int, num_slots: int,
-                 max_num_tokens: int = 2048, num_host_blocks: int = 0, num_host_slots: int = 0) -> None:
-        """`num_host_blocks`, `num_host_slots`: the host tier of the prefix cache (none when 0)."""
+                 max_num_tokens: int = 2048, num_host_blocks: int = 0, num_host_slots: int = 0,
+                 overlap_host_copies: bool | None = None) -> None:
+        """`num_host_blocks`, `num_host_slots`: the host tier of the prefix cache (none when 0);
+        `overlap_host_copies`: its copies run beside the forward, layer by layer (False: all before it; None: beside
+        it on a GPU, before it on a CPU)."""
         self.model = model
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.device = next(model.parameters()).device
@@ -57,7 +61,8 @@ class ModelRunner:
             model.cache_specs(), num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device=self.device
         )
         self.host = HostCache(model.cache_specs(), num_blocks=num_host_blocks, num_slots=num_host_slots,
-                              block_size=block_size, device=self.device) if num_host_blocks else None
+                              block_size=block_size, device=self.device,
+                              overlap=overlap_host_copies) if num_host_blocks else None
         self.shared: SharedStoreIO | None = None
         """The shared store's reader and writer (set by the worker when a store is configured)."""
         self.transfer: KVTransferIO | None = None
@@ -98,16 +103,12 @@ class ModelRunner:
                 transfer = TransferResult(fetched=[False] * len(out.remote_fetches))
             else:
                 pending = self.transfer.start_fetch(out.remote_fetches, self.caches, host_caches)
-        host_seconds = 0.0
-        if out.host_copies is not None:
-            if self.host is None:
-                raise RuntimeError("host-tier copies scheduled, but this runner has no host tier")
-            start = time.perf_counter()
-            self.host.apply(out.host_copies, self.caches)
-            host_seconds = time.perf_counter() - start
-        self.apply_copies(out.block_copies, out.state_copies)
-        if out.chunks:
-            logits = self.execute_model(out.chunks, only_sampled=True)
+        staged = self._stage(out)
+        try:  # the host-tier copies overlap the forward; every copy is done when this returns, even if it raised
+            logits = self.execute_model(out.chunks, only_sampled=True, caches=staged) if out.chunks else None
+        finally:
+            host_seconds = staged.finish()
+        if logits is not None:
             sends = [c for c in out.chunks if c.kv_send is not None]
             if sends:
                 if self.transfer is None:
@@ -132,6 +133,22 @@ class ModelRunner:
                             shared_fetched=fetched, transfer=transfer,
                             shared_store=None if self.shared is None else self.shared.store.stats,
                             encoder=EncoderStepStats() if self.images is None else self.images.take_step_stats())
+
+    def _stage(self, out: SchedulerOutput) -> StagedCaches:
+        """The caches this step's forward sees: the host-tier copies started (layer by layer, beside the forward),
+        then per layer the step's device copies and state resets (`StagedCaches`)."""
+        job = HostCopyJob()
+        if out.host_copies is not None:
+            if self.host is None:
+                raise RuntimeError("host-tier copies scheduled, but this runner has no host tier")
+            job = self.host.start(out.host_copies, self.caches)
+        resets = [c.state_slot for c in out.chunks if c.reset_state]
+
+        def prepare(cache: LayerCache) -> None:
+            _apply_layer_copies(cache, out.block_copies, out.state_copies)
+            if resets and isinstance(cache, KDALayerCache):
+                _zero_slots(cache, resets)
+        return StagedCaches(self.caches, job, prepare)
 
     def _sample(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], out: SchedulerOutput
                 ) -> dict[str, list[SampledToken]]:
@@ -201,20 +218,24 @@ class ModelRunner:
     # -- the model step ------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, chunks: Sequence[ScheduledChunk], only_sampled: bool = False) -> torch.Tensor:
+    def execute_model(self, chunks: Sequence[ScheduledChunk], only_sampled: bool = False,
+                      caches: Sequence[LayerCache] | None = None) -> torch.Tensor:
         """Forward pass; fp32 logits [N, vocab], in the order of `chunks`: the last position of each chunk (of the
         sampled chunks only, when `only_sampled`), and for a sampled chunk with proposed tokens its last
-        1 + num_proposed positions."""
-        for c in chunks:
-            if c.reset_state:
-                self.reset_slot(c.state_slot)
+        1 + num_proposed positions. `caches`: the caches as the forward sees them, with the chunks' state resets
+        already arranged (`execute`'s staged view); None: this runner's, after zeroing the slots to reset."""
+        if caches is None:
+            for c in chunks:
+                if c.reset_state:
+                    self.reset_slot(c.state_slot)
+            caches = self.caches
         ids, batch, order = self.input_batch.build(chunks)
         start = time.perf_counter()
         if self.images is not None:
             placed = self.images.embeds([chunks[i] for i in order], batch.cu_seqlens_host, self._images_of)
             if placed is not None:
                 batch = dataclasses.replace(batch, embed_rows=placed[0], embed_values=placed[1])
-        hidden = self.model(ids, batch, self.caches)
+        hidden = self.model(ids, batch, caches)
         row_of_chunk = [0] * len(order)  # original index -> sequence row in the batch
         for row, i in enumerate(order):
             row_of_chunk[i] = row
@@ -274,20 +295,31 @@ class ModelRunner:
     ) -> None:
         """Copy cached partial KV blocks and checkpoint states into the blocks and slots of requests that hit them."""
         for cache in self.caches:
-            if isinstance(cache, KDALayerCache):
-                for src, dst in state_copies:
-                    cache.state[dst].copy_(cache.state[src])
-                    cache.conv[dst].copy_(cache.conv[src])
-            else:
-                for src, dst, rows in block_copies:
-                    cache.kv[dst, :rows].copy_(cache.kv[src, :rows])
+            _apply_layer_copies(cache, block_copies, state_copies)
 
     def reset_slot(self, slot: int) -> None:
         """Zero a KDA state slot (recurrent state and conv window) in every KDA layer."""
         for cache in self.caches:
             if isinstance(cache, KDALayerCache):
-                cache.state[slot].zero_()
-                cache.conv[slot].zero_()
+                _zero_slots(cache, [slot])
+
+
+def _apply_layer_copies(cache: LayerCache, block_copies: Sequence[tuple[int, int, int]],
+                        state_copies: Sequence[tuple[int, int]]) -> None:
+    """One layer's part of `ModelRunner.apply_copies`."""
+    if isinstance(cache, KDALayerCache):
+        for src, dst in state_copies:
+            cache.state[dst].copy_(cache.state[src])
+            cache.conv[dst].copy_(cache.conv[src])
+    else:
+        for src, dst, rows in block_copies:
+            cache.kv[dst, :rows].copy_(cache.kv[src, :rows])
+
+
+def _zero_slots(cache: KDALayerCache, slots: Sequence[int]) -> None:
+    for slot in slots:
+        cache.state[slot].zero_()
+        cache.conv[slot].zero_()
 
 
 def _plain_greedy(state: _RequestState) -> bool:

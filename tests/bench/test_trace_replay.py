@@ -142,13 +142,18 @@ def test_followup_end_to_end(tiny_dir, capsys):
 
 def test_evicted_followup_rehydrates_from_the_host_tier(tiny_dir, capsys):
     """With other prompts evicting the first from a small device cache, the follow-up recomputes without a host tier
-    and hits with one."""
+    and hits with one, with the host tier's copies beside the forward and before it alike."""
     res = followup.run_followup(followup.FollowupBenchArgs(
         model=str(tiny_dir("base")), prompt_len=96, output_len=2, state_checkpoint_interval=32, shared=0.9,
-        evict_tokens=3000, num_blocks=80, host_cache_memory="16MiB"))
+        evict_tokens=3000, num_blocks=80, host_cache_memory="16MiB", compare_copy_overlap=True))
     assert res["recomputed"]["cached_tokens"] == 0 and res["rehydrated"]["cached_tokens"] == 80  # last full block
     assert res["rehydrated"]["prefix_stats"]["host_hit_tokens"] == 80
-    assert "rehydrated / recomputed TTFT" in capsys.readouterr().out
+    for mode in ("beside", "before"):
+        run = res[f"rehydrated, copies {mode} the forward"]
+        assert run["cached_tokens"] == 80 and run["host_copy_s"] > 0
+    assert res["overlap_ratio"] > 0
+    out = capsys.readouterr().out
+    assert "rehydrated / recomputed TTFT" in out and "copies beside / before the forward" in out
 
 
 def test_cli_registers_replay_and_followup():

@@ -23,6 +23,21 @@ def test_cuda_greedy_equals_cpu(tiny_dir):
     assert gpu == cpu
 
 
+def test_cuda_host_tier_rehydration_equals_cpu(tiny_dir):
+    """A session evicted from device memory comes back from pinned host memory through the copy stream (layer by
+    layer, beside the forward) with the CPU's tokens."""
+    from tests.engine.test_host_tier import SMALL, conversation
+    from tests.helpers import prompt_ids
+
+    path, first = str(tiny_dir("base")), prompt_ids(600, 96, seed=5)
+    cpu = conversation(LLM(model=path, host_cache_memory="16MiB", **SMALL), first)
+    llm = LLM(model=path, host_cache_memory="16MiB", device="cuda", **SMALL)
+    gpu = conversation(llm, first)
+    assert [r.outputs[0].token_ids for r in gpu] == [r.outputs[0].token_ids for r in cpu]
+    assert all(r.num_cached_tokens >= 96 for r in gpu[-2:])
+    assert llm.engine.executor.worker.runner.host.bytes_in > 0
+
+
 def test_bench_offline_on_cuda_reports_roofline(tiny_dir, tmp_path):
     result = tmp_path / "r.json"
     res = subprocess.run([sys.executable, "-m", "deltaserve.entrypoints.cli", "bench", "offline", "--model",

@@ -55,6 +55,19 @@ def test_session_evicted_from_the_device_comes_back_from_host_memory(tiny_dir, v
     assert engine_stats.host_promoted_bytes > 0 and engine_stats.host_demoted_bytes > 0
 
 
+def test_copies_beside_the_forward_equal_copies_before_it(tiny_dir, monkeypatch):
+    """The host tier's copies overlapped with the forward layer by layer (`DELTASERVE_HOST_COPY_OVERLAP=1`: a copy
+    thread here, a copy stream on a GPU) and all done before it (`0`, the CPU default): the same tokens and hits."""
+    path, first = str(tiny_dir("base")), prompt_ids(600, 96, seed=5)
+    runs = []
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("DELTASERVE_HOST_COPY_OVERLAP", overlap)
+        llm = LLM(model=path, host_cache_memory="16MiB", **SMALL)
+        assert llm.engine.executor.worker.runner.host.overlap is (overlap == "1")
+        runs.append([(r.outputs[0].token_ids, r.num_cached_tokens) for r in conversation(llm, first)])
+    assert runs[0] == runs[1] and all(cached >= 96 for _, cached in runs[0][-2:])
+
+
 def test_host_tier_sizes_and_vllm_alias():
     from deltaserve.config import CacheConfig
 
