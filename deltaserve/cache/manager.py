@@ -128,6 +128,12 @@ class PrefixCacheStats:
     host_checkpoints_promoted: int = 0
 
 
+def _digest(tokens: list[int], previous: str | None) -> str:
+    """blake2b of `tokens`, keyed by the `previous` digest of the chain (none for the first block)."""
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16,
+                           key=bytes.fromhex(previous) if previous else b"").hexdigest()
+
+
 class CacheManager:
     """Tracks which KV blocks and which state slot each request holds, and the prefix cache."""
 
@@ -272,10 +278,17 @@ class CacheManager:
         bs, chain = self.block_size, self._stable.setdefault(request.request_id, [])
         while len(chain) < num_blocks:
             j = len(chain)
-            data = array("q", request.cache_token_slice(j * bs, (j + 1) * bs)).tobytes()
-            chain.append(hashlib.blake2b(data, digest_size=16, key=bytes.fromhex(chain[-1]) if chain else b"")
-                         .hexdigest())
+            chain.append(_digest(request.cache_token_slice(j * bs, (j + 1) * bs), chain[-1] if chain else None))
         return chain
+
+    def _stable_digest(self, request: Request, length: int) -> str:
+        """The digest of the request's first `length` tokens: the chain's at a block boundary, else that of the
+        tokens past the last full block, keyed by the chain (fewer tokens than a block: never a full block's)."""
+        full = length // self.block_size
+        chain = self._stable_chain(request, full)
+        if length == full * self.block_size:
+            return chain[full - 1]
+        return _digest(request.cache_token_slice(full * self.block_size, length), chain[full - 1] if full else None)
 
     def _put(self, kind: str, key: str, where: int) -> None:
         """Write-through of a registered block or checkpoint (once per key this manager knows of)."""
@@ -289,15 +302,39 @@ class CacheManager:
 
     def prefetch(self, request: Request) -> bool:
         """Before admitting `request`: if the shared store holds more of its prefix than the device and host tiers
-        (blocks past theirs up to a block boundary that has a state), reserve host-tier entries and queue their
-        fetches for this step; True while the request must wait for them (it is admitted after the step, and its
-        hit then comes from the host tier). Probed once per request; a store that fails is a miss."""
+        (blocks past theirs up to a block boundary that has a state, or up to where an earlier request with this
+        prefix ended), reserve host-tier entries and queue their fetches for this step; True while the request must
+        wait for them (it is admitted after the step, and its hit then comes from the host tier). Probed once per
+        request; a store that fails is a miss."""
         rid = request.request_id
         if rid in self._fetching:
             return True
         if self.shared is None or rid in self._probed or request.skip_prefix_cache:
             return False
         self._probed.add(rid)
+        reserved: list[tuple[str, BlockKey | CheckpointKey]] = []
+        ops = []
+        for kind, key, store_key, length in self._store_entries(request):
+            if self.host.holds(kind, key):  # in the host tier already, or being fetched for another request
+                continue
+            host_id = self.host.reserve(kind, key, length)
+            if host_id is None:  # no room in the host tier (everything pinned): give the fetch up
+                for k, held_key in reserved:
+                    self.host.publish(k, held_key, ok=False)
+                return False
+            reserved.append((kind, key))
+            ops.append((kind, store_key, host_id))
+        if not ops:
+            return False
+        self._fetching[rid] = reserved
+        self._step_fetches += reserved
+        self._shared_ops.fetches.extend(ops)
+        return True
+
+    def _store_entries(self, request: Request) -> list[tuple[str, BlockKey | CheckpointKey, str, int]]:
+        """What the store adds to the local tiers' hit: (kind, host-tier key, store key, length) of its blocks past
+        the local ones and of the state (and partial block) where the longer hit ends; [] when it adds nothing."""
+        assert self.shared is not None
         bs = self.block_size
         hashes = self.hashes(request, (request.num_tokens - 1) // bs)
         local = 0
@@ -316,35 +353,42 @@ class CacheManager:
             else:
                 top = mid - 1
         current = self.match(request).length
-        step = max(1, (self.checkpoint_interval or bs) // bs)
-        # The deepest boundary past the current hit with a state: the end of the blocks, then checkpoint intervals.
-        for boundary in sorted({end, *range(end // step * step, current // bs, -step)}, reverse=True):
-            if boundary * bs <= current:
-                return False
-            ckpt_key = (parent_hash(hashes, boundary), ())
-            local_state = self._checkpoint(ckpt_key) is not None
-            if local_state or self.shared.contains(f"state/{stable[boundary - 1]}"):
-                break
+        wanted: list[tuple[str, BlockKey | CheckpointKey, str, int]] = []
+        tail = self._store_tail(request, end, current)
+        if tail is not None:  # where an earlier request ended, inside the block after the store's blocks
+            length, digest = tail
+            boundary, key = end, (parent_hash(hashes, end), tuple(request.cache_token_slice(end * bs, length)))
+            wanted = [("kv", key, f"kv/{digest}", 0), ("state", key, f"state/{digest}", length)]
         else:
-            return False
-        wanted: list[tuple[str, BlockKey | CheckpointKey, str, int]] = [
-            ("kv", (hashes[b], None), f"kv/{stable[b]}", 0) for b in range(local, boundary)]
-        if not local_state:
-            wanted.append(("state", ckpt_key, f"state/{stable[boundary - 1]}", boundary * bs))
-        reserved: list[tuple[str, BlockKey | CheckpointKey]] = []
-        ops = []
-        for kind, key, store_key, length in wanted:
-            host_id = self.host.reserve(kind, key, length)
-            if host_id is None:  # no room in the host tier (everything pinned): give the fetch up
-                for k, held_key in reserved:
-                    self.host.publish(k, held_key, ok=False)
-                return False
-            reserved.append((kind, key))
-            ops.append((kind, store_key, host_id))
-        self._fetching[rid] = reserved
-        self._step_fetches += reserved
-        self._shared_ops.fetches.extend(ops)
-        return True
+            step = max(1, (self.checkpoint_interval or bs) // bs)
+            # The deepest boundary past the current hit with a state: the end of the blocks, then checkpoint
+            # intervals.
+            for boundary in sorted({end, *range(end // step * step, current // bs, -step)}, reverse=True):
+                if boundary * bs <= current:
+                    return []
+                ckpt_key = (parent_hash(hashes, boundary), ())
+                if self._checkpoint(ckpt_key) is not None:
+                    break
+                if self.shared.contains(f"state/{stable[boundary - 1]}"):
+                    wanted.append(("state", ckpt_key, f"state/{stable[boundary - 1]}", boundary * bs))
+                    break
+            else:
+                return []
+        return [("kv", (hashes[b], None), f"kv/{stable[b]}", 0) for b in range(local, boundary)] + wanted
+
+    def _store_tail(self, request: Request, end: int, current: int) -> tuple[int, str] | None:
+        """The longest length past `end` full blocks and the current hit, short of the next block boundary, at which
+        the store holds a state: where an earlier request with this prefix ended (its state and partial block are
+        written when it finishes). Returns (length, digest); one existence check per candidate, longest first (at
+        most block_size - 1), after the request's own prompt."""
+        assert self.shared is not None
+        bs = self.block_size
+        top = min(request.num_tokens - 1, (end + 1) * bs - 1)
+        for length in range(top, max(end * bs, current), -1):
+            digest = self._stable_digest(request, length)
+            if self.shared.contains(f"state/{digest}"):
+                return length, digest
+        return None
 
     def prefetch_remote(self, request: Request) -> bool:
         """Before admitting `request` on a decode instance: if a prefill instance computed more of its prompt than
@@ -650,18 +694,25 @@ class CacheManager:
         key = self.key(request, length)
         if length % bs:
             self.blocks.cache_partial(held.blocks[length // bs], key[0], key[1])
+            if self.shared is not None:  # another replica's next turn of this session resumes here too
+                self._put("kv", f"kv/{self._stable_digest(request, length)}", held.blocks[length // bs])
+        # Whether or not the device keeps it: the put reads the slot before the next step's forward can reuse it.
+        self._put_state(request, length, held.slot)
         if self.checkpoints.contains(key) or self.slots.num_checkpoint_slots == 0 or not self.checkpoints.make_room():
             return False
         self.slots.convert(held.slot, CHECKPOINT)
         self.checkpoints.add(key, length, held.slot)
-        self._put_state(request, length, held.slot)
         return True
 
     def _put_state(self, request: Request, length: int, slot: int) -> None:
-        """Write-through of a checkpoint at a block boundary (the shared store keeps only those)."""
-        if self.shared is not None and length % self.block_size == 0:
-            n = length // self.block_size
-            self._put("state", f"state/{self._stable_chain(request, n)[n - 1]}", slot)
+        """Write-through of a checkpoint: at a block boundary (prefill checkpoints) or at the end of a finished
+        request (with its partial block, `kv/<digest>` of the same length)."""
+        if self.shared is not None:
+            self._put("state", f"state/{self._stable_digest(request, length)}", slot)
+
+    def has_pending_puts(self) -> bool:
+        """Whether writes to the shared store wait for a step (which an idle engine must still run)."""
+        return bool(self._shared_ops.puts)
 
     # -- introspection -------------------------------------------------------------------------------------------
 

@@ -344,7 +344,10 @@ class EngineCore:
                                         num_cached_tokens=0, error=error) for rid in ids]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.structured.num_pending > 0
+        """Requests to run, grammars compiling, or writes to the shared store queued for a step (the last request's
+        blocks and final state: an idle engine would otherwise keep them from the other replicas until its next
+        request, and lose them if it stopped)."""
+        return self.scheduler.has_unfinished() or self.structured.num_pending > 0 or self.cache.has_pending_puts()
 
     def reset_prefix_cache(self) -> tuple[int, int]:
         """Forget every cached KV block and state checkpoint (running requests are unaffected).

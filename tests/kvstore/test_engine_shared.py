@@ -53,6 +53,28 @@ def test_second_engine_hits_what_the_first_computed(store_server, tiny_dir, vari
     assert engine_stats.shared_errors == engine_stats.shared_corrupt == 0
 
 
+def test_a_session_resumes_on_another_engine_where_its_last_turn_ended(store_server, tiny_dir):
+    """Turn 1 on one engine ends inside a block (101 prompt tokens + 8 generated: 108 computed); turn 2 (turn 1, its
+    answer, 20 new tokens) on a second engine resumes at 108 from the store (the final state and the partial block,
+    written when turn 1 finished, by a step the idle first engine ran for them), not at 96, the last block boundary
+    with a state; outputs identical to no caching."""
+    path = str(tiny_dir("base"))
+    turn1 = prompt_ids(600, 101, seed=31)
+    plain = LLM(model=path, enable_prefix_caching=False, **ENGINE)
+    (answer, _), = tokens(plain, [turn1])
+    turn2 = turn1 + answer + prompt_ids(600, 20, seed=32)
+    (reference, _), = tokens(plain, [turn2])
+    first = LLM(model=path, shared_cache_url=store_server.url, **ENGINE)
+    assert tokens(first, [turn1])[0][0] == answer
+    assert not first.engine.cache.has_pending_puts()
+    drain(first)
+    second = LLM(model=path, shared_cache_url=store_server.url, **ENGINE)
+    (ids, cached), = tokens(second, [turn2])
+    assert ids == reference and cached == 101 + 7
+    assert second.engine.cache.shared_fetch_failures == 0
+    assert second.engine.cache.prefix_stats().host_hit_tokens == 108
+
+
 def test_a_corrupt_entry_or_a_dead_store_recomputes(store_server, tiny_dir):
     path = str(tiny_dir("base"))
     prompt = prompt_ids(600, 64, seed=21)
