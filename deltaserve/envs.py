@@ -38,6 +38,11 @@ def host_copy_overlap() -> bool | None:
     return None if not value else value not in ("0", "false", "no", "off")
 
 
+def triton_interpret() -> bool:
+    """`TRITON_INTERPRET=1` (Triton's own variable): kernels run in Triton's interpreter, on the CPU (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip() == "1"
+
+
 def ops_backend() -> str:
     """`DELTASERVE_OPS_BACKEND`: forces op backends (parsed by `deltaserve.ops.dispatch`): `ref` for every op, or
     per op `kda_prefill=ref,mla_decode=flash`. Empty by default (each op picks its first capable backend)."""

@@ -14,6 +14,10 @@ from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
 # gets this cache unless the test sizes it: the 2 GiB default, zeroed at start, cost the suite minutes and, with a
 # few engines alive at once, most of the CI machine's memory. Tiny checkpoints need a few MiB.
 os.environ.setdefault("DELTASERVE_CACHE_MEMORY", "256MiB")
+# Without a GPU, Triton kernels run in its interpreter (the `interpret` tests: kernels against their references on a
+# CPU). Set before anything imports triton: its standard library is jitted for the mode in force at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Variants that exercise the paths the parity tests must cover (see model-spec §13.1).
 TINY_VARIANTS: dict[str, TinySpec] = {

@@ -1,11 +1,21 @@
 """Paged latent attention (MLA, no positional encoding): the only entry points layers call, dispatched. `mla_prefill`
-(`sdpa.py`) and `mla_decode` (`cpu_decode.py`) have CPU flash-attention backends for fp32 and bf16; everything else
-runs the reference."""
+(`sdpa.py`) and `mla_decode` (`cpu_decode.py`) have CPU flash-attention backends for fp32 and bf16; `mla_decode` has a
+Triton kernel for CUDA (`triton_decode.py`); everything else runs the reference."""
 
 from __future__ import annotations
 
-from deltaserve.ops import dispatch
+from typing import Any
+
+from torch import Tensor
+
+from deltaserve.ops import dispatch, triton_backend
 from deltaserve.ops.mla import cpu_decode, ref, sdpa
+
+
+def _triton_decode_supports(q: Tensor, kv_cache: Tensor, *args: Any, **kwargs: Any) -> bool:
+    """Queries and cache where the Triton kernels run, in one dtype (asked without importing triton)."""
+    return triton_backend.runs_on(q) and kv_cache.dtype == q.dtype
+
 
 mla_write_cache = dispatch.op("mla_write_cache", ref.mla_write_cache)
 mla_prefill = dispatch.op("mla_prefill", ref.mla_prefill)
@@ -17,6 +27,11 @@ dispatch.register(
 dispatch.register(
     "mla_decode",
     dispatch.Backend("cpu", cpu_decode.mla_decode_cpu, available=sdpa.available, supports=cpu_decode.supports),
+)
+dispatch.register(  # after the CPU backend (CPU tensors go there first); by name: triton imported only if available
+    "mla_decode",
+    dispatch.Backend("triton", "deltaserve.ops.mla.triton_decode:mla_decode_triton",
+                     available=triton_backend.available, supports=_triton_decode_supports),
 )
 
 __all__ = ["mla_decode", "mla_prefill", "mla_write_cache"]

@@ -1,0 +1,143 @@
+"""The Triton latent MLA decode (`ops/mla/triton_decode.py`) against the reference, in fp32 under the Triton
+interpreter (marked `interpret`; skipped without triton), and in bf16 on a GPU (marked `gpu`): rows of several
+sequences and several rows of one sequence (a speculative verify chunk: each its own context length), head counts
+that do not fill a head tile, contexts across several splits, block tables in any order, and cache rows past every
+context holding NaN (they must not leak through a zero probability)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from deltaserve.ops.mla import ref
+from tests.helpers import relative_error
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the kernels extra)")
+if importlib.util.find_spec("triton") is not None:
+    from deltaserve.ops.mla import triton_decode
+
+
+def case(*, heads: int, rank: int, rope: int, block_size: int, contexts: list[int], dtype=torch.float32,
+         device: str = "cpu", seed: int = 0):
+    """Queries, a cache with NaN in every row no context reaches, block tables of shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(contexts) // block_size)
+    num_blocks = len(contexts) * max_blocks + 3
+    cache = torch.full((num_blocks, block_size, rank + rope), float("nan"))
+    tables = torch.randperm(num_blocks, generator=g)[: len(contexts) * max_blocks].view(len(contexts), max_blocks)
+    for i, n in enumerate(contexts):
+        for t in range(n):
+            cache[tables[i, t // block_size], t % block_size] = torch.randn(rank + rope, generator=g)
+    q = torch.randn(len(contexts), heads, rank + rope, generator=g)
+    to = dict(device=device, dtype=dtype)
+    return q.to(**to), cache.to(**to), tables.to(device), torch.tensor(contexts, device=device)
+
+
+SHAPES = [  # (heads, rank, rope, block_size, contexts)
+    (4, 64, 16, 16, [1, 37, 300]),  # the tiny checkpoints' latent; 300 tokens: two splits
+    (20, 32, 16, 8, [600, 17, 5, 256]),  # two head tiles (the second partial), 600: three splits, 256: exactly one
+    (2, 48, 8, 16, [40, 41, 42, 43]),  # rank and rope not powers of two; one sequence's verify rows
+]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(("heads", "rank", "rope", "block_size", "contexts"), SHAPES)
+def test_interpreted_kernel_equals_the_reference_fp32(triton_interpreter, heads, rank, rope, block_size, contexts):
+    q, cache, tables, ctx = case(heads=heads, rank=rank, rope=rope, block_size=block_size, contexts=contexts)
+    if contexts == [40, 41, 42, 43]:
+        tables = tables[:1].expand(4, -1)  # one sequence's block table for every row: a verify chunk
+        q, cache, tables, ctx = case(heads=heads, rank=rank, rope=rope, block_size=block_size, contexts=[43])
+        q = torch.randn(4, heads, rank + rope, generator=torch.Generator().manual_seed(1))
+        tables, ctx = tables.expand(4, -1), torch.tensor(contexts)
+    scale = (rank + rope) ** -0.5
+    got = triton_decode.mla_decode_triton(q, cache, tables, ctx, kv_lora_rank=rank, scale=scale)
+    want = ref.mla_decode(q, cache, tables, ctx, kv_lora_rank=rank, scale=scale)
+    assert got.shape == want.shape == (len(contexts), heads, rank) and got.dtype == torch.float32
+    assert torch.isfinite(got).all()
+    assert relative_error(got, want) < 1e-5
+
+
+@pytest.mark.interpret
+def test_no_rows_is_an_empty_output(triton_interpreter):
+    q = torch.zeros(0, 4, 80)
+    cache = torch.zeros(2, 16, 80)
+    out = triton_decode.mla_decode_triton(q, cache, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0),
+                                          kv_lora_rank=64, scale=0.1)
+    assert out.shape == (0, 4, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "rank", "rope", "block_size", "contexts"), SHAPES[:2])
+def test_cuda_kernel_equals_the_reference(heads, rank, rope, block_size, contexts):
+    """bf16 against the fp64 reference on the same bf16 inputs (the cpu backend's bound), and fp32 (IEEE dots)."""
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        q, cache, tables, ctx = case(heads=heads, rank=rank, rope=rope, block_size=block_size, contexts=contexts,
+                                     dtype=dtype, device="cuda")
+        scale = (rank + rope) ** -0.5
+        got = triton_decode.mla_decode_triton(q, cache, tables, ctx, kv_lora_rank=rank, scale=scale)
+        want = ref.mla_decode(q.double().cpu(), cache.double().cpu(), tables.cpu(), ctx.cpu(), kv_lora_rank=rank,
+                              scale=scale)
+        assert got.dtype == dtype and relative_error(got.double().cpu(), want) < tol
+
+
+@pytest.mark.interpret
+def test_tiny_engine_on_the_interpreted_kernel_equals_the_reference_path(triton_interpreter, tiny_dir, monkeypatch):
+    """The base tiny checkpoint end to end with every MLA decode on the kernel (forced: on a CPU the interpreter runs
+    it only then), with n-gram speculation, so that verify chunks put several query rows of one sequence into a
+    call: greedy tokens equal the default path's."""
+    from deltaserve import LLM, SamplingParams
+    from deltaserve.ops import dispatch
+    from tests.helpers import prompt_ids
+
+    repeat = prompt_ids(600, 12, seed=3) * 4  # repetitive: n-gram proposals
+    prompts = [repeat, prompt_ids(600, 40, seed=4), prompt_ids(600, 5, seed=5)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    path = str(tiny_dir("base"))
+    want = [o.outputs[0].token_ids for o in LLM(model=path, speculative_config=ngram).generate(prompts, params)]
+    monkeypatch.setenv("DELTASERVE_OPS_BACKEND", "mla_decode=triton")
+    dispatch.reset()
+    try:
+        llm = LLM(model=path, speculative_config=ngram)
+        assert dispatch.log_backends()["mla_decode"] == ("triton",)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        verified = llm.engine.get_stats().spec_num_draft_tokens
+    finally:
+        monkeypatch.delenv("DELTASERVE_OPS_BACKEND")
+        dispatch.reset()
+    assert got == want and verified > 0  # proposals verified (a random model rarely accepts them)
+
+
+def test_dispatch_selects_the_kernel_on_cuda_and_the_cpu_backend_on_a_cpu():
+    """On an (emulated) CUDA device with the kernels compiled (no interpreter), `mla_decode` goes to the kernel for
+    bf16 / fp32 and to the reference for fp64; CPU tensors go to the CPU backend. In a subprocess: the emulator and
+    the interpreter setting are process-wide."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from deltaserve.ops import dispatch
+from deltaserve.ops.mla import mla_decode  # noqa: F401 - registers the family
+from tests.emulated_cuda import emulated_cuda
+
+op = dispatch.get("mla_decode")
+picked = []
+with emulated_cuda():
+    for device, dtype in (("cuda", torch.bfloat16), ("cuda", torch.float32), ("cuda", torch.float64),
+                          ("cpu", torch.float32)):
+        q = torch.zeros(2, 4, 80, device=device, dtype=dtype)
+        cache = torch.zeros(3, 16, 80, device=device, dtype=dtype)
+        tables = torch.zeros(2, 1, dtype=torch.long, device=device)
+        ctx = torch.ones(2, dtype=torch.long, device=device)
+        picked.append(op.select(q, cache, tables, ctx, kv_lora_rank=64, scale=0.1))
+print(" ".join(picked))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DELTASERVE_OPS_BACKEND")}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["triton", "triton", "ref", "cpu"]
