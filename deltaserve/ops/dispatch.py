@@ -36,6 +36,9 @@ class Backend:
     supports: Callable[..., bool] = lambda *args, **kwargs: True
     """Called with the op's arguments before every call: whether it takes them (dtype, shapes, device). Must be cheap
     and must not read the device (a stream sync)."""
+    forced_only: Callable[[], bool] = lambda: False
+    """Whether it runs only where `DELTASERVE_OPS_BACKEND` names it (asked when the op resolves): a Triton kernel
+    under Triton's interpreter is correct but far too slow to be chosen by itself."""
 
 
 _Chain = tuple[tuple[str, Callable[..., Any], Callable[..., bool]], ...]
@@ -70,7 +73,8 @@ class Op:
         forced_ops = forcing()
         forced = forced_ops.get(self.name, forced_ops.get("*"))
         if forced is None:
-            chain = tuple((b.name, _load(b.fn), b.supports) for b in self.backends if b.available())
+            chain = tuple((b.name, _load(b.fn), b.supports) for b in self.backends
+                          if b.available() and not b.forced_only())
         elif forced == REF:
             chain = ()
         else:

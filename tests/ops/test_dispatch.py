@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -128,16 +129,31 @@ def test_bad_forcing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, spec: str
 
 def test_log_backends_reports_ref_where_nothing_else_exists(caplog: pytest.LogCaptureFixture) -> None:
     """The start-up table covers every op layers and the sampler call: ref alone where no fast backend is
-    registered, the fast backends before ref where they are (on this CPU: the CPU kernels and the packed linear);
-    one log line."""
+    registered, the fast backends before ref where they are (on this CPU: the CPU kernels and the packed linear; not
+    the Triton kernels, which the interpreter runs only when forced); one log line."""
     with caplog.at_level(logging.INFO, logger="deltaserve.ops.dispatch"):
         table = dispatch.log_backends()
     assert OPS_LAYERS_CALL <= set(table)
     fast = {name: names for name, names in table.items() if names != ("ref",)}
-    assert fast == {name: (*(b.name for b in dispatch.get(name).backends if b.available()), "ref") for name in fast}
+    assert fast == {name: (*(b.name for b in dispatch.get(name).backends if b.available() and not b.forced_only()),
+                           "ref") for name in fast}
     assert table["moe_experts"] == ("sorted", "ref")
     assert table["rms_norm"] == ("ref",)
     assert len(caplog.records) == 1 and "moe_experts=sorted>ref" in caplog.records[0].getMessage()
+
+
+def test_a_forced_only_backend_runs_only_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend that says `forced_only` (a Triton kernel under the interpreter) is never chosen by itself, but runs
+    every call when `DELTASERVE_OPS_BACKEND` names it."""
+    spy = Spy()
+    dispatch.register("rms_norm", dataclasses.replace(spy.backend(), forced_only=lambda: True))
+    force(monkeypatch, "")
+    assert dispatch.log_backends()["rms_norm"] == ("ref",)
+    rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6)
+    assert spy.calls == 0
+    force(monkeypatch, "rms_norm=fp32_only")
+    rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6)
+    assert spy.calls == 1
 
 
 def test_backend_imported_lazily_by_name() -> None:

@@ -27,6 +27,7 @@ dispatch.register("kda_prefill", dispatch.Backend("cpu", cpu.kda_prefill, suppor
 dispatch.register("kda_decode", dispatch.Backend("cpu", cpu_decode.kda_decode, supports=cpu_decode.supports))
 dispatch.register(  # after the CPU backend (CPU tensors go there first); by name: triton imported only if available
     "kda_decode", dispatch.Backend("triton", "deltaserve.ops.kda.triton_decode:kda_decode_triton",
-                                   available=triton_backend.available, supports=_triton_decode_supports))
+                                   available=triton_backend.available, supports=_triton_decode_supports,
+                                   forced_only=triton_backend.forced_only))
 
 __all__ = ["kda_decode", "kda_gate", "kda_prefill"]

@@ -31,7 +31,8 @@ dispatch.register(
 dispatch.register(  # after the CPU backend (CPU tensors go there first); by name: triton imported only if available
     "mla_decode",
     dispatch.Backend("triton", "deltaserve.ops.mla.triton_decode:mla_decode_triton",
-                     available=triton_backend.available, supports=_triton_decode_supports),
+                     available=triton_backend.available, supports=_triton_decode_supports,
+                     forced_only=triton_backend.forced_only),
 )
 
 __all__ = ["mla_decode", "mla_prefill", "mla_write_cache"]
