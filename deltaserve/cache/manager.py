@@ -312,24 +312,39 @@ class CacheManager:
         if self.shared is None or rid in self._probed or request.skip_prefix_cache:
             return False
         self._probed.add(rid)
-        reserved: list[tuple[str, BlockKey | CheckpointKey]] = []
-        ops = []
-        for kind, key, store_key, length in self._store_entries(request):
-            if self.host.holds(kind, key):  # in the host tier already, or being fetched for another request
-                continue
-            host_id = self.host.reserve(kind, key, length)
-            if host_id is None:  # no room in the host tier (everything pinned): give the fetch up
-                for k, held_key in reserved:
-                    self.host.publish(k, held_key, ok=False)
-                return False
-            reserved.append((kind, key))
-            ops.append((kind, store_key, host_id))
+        entries = self._store_entries(request)
+        held = self._reserve([(kind, key, length) for kind, key, _, length in entries])
+        if held is None:  # no room in the host tier (everything pinned): give the fetch up
+            return False
+        reserved, host_ids = held
+        ops = [(kind, store_key, host_id)
+               for (kind, _, store_key, _), host_id in zip(entries, host_ids, strict=True) if host_id is not None]
         if not ops:
             return False
         self._fetching[rid] = reserved
         self._step_fetches += reserved
         self._shared_ops.fetches.extend(ops)
         return True
+
+    def _reserve(self, wanted: list[tuple[str, BlockKey | CheckpointKey, int]]
+                 ) -> tuple[list[tuple[str, BlockKey | CheckpointKey]], list[int | None]] | None:
+        """Host-tier entries for fetches of `wanted` (kind, key, length): (the reserved (kind, key)s, each wanted
+        entry's host id, None where the tier holds the key already or is fetching it for another request); None,
+        with nothing reserved, when one finds no room."""
+        reserved: list[tuple[str, BlockKey | CheckpointKey]] = []
+        host_ids: list[int | None] = []
+        for kind, key, length in wanted:
+            if self.host.holds(kind, key):
+                host_ids.append(None)
+                continue
+            host_id = self.host.reserve(kind, key, length)
+            if host_id is None:
+                for k, held_key in reserved:
+                    self.host.publish(k, held_key, ok=False)
+                return None
+            reserved.append((kind, key))
+            host_ids.append(host_id)
+        return reserved, host_ids
 
     def _store_entries(self, request: Request) -> list[tuple[str, BlockKey | CheckpointKey, str, int]]:
         """What the store adds to the local tiers' hit: (kind, host-tier key, store key, length) of its blocks past
@@ -415,19 +430,13 @@ class CacheManager:
             wanted.append(("kv", (parent, tail), full, 0))
         if self.checkpoints.get(self.key(request, length)) is None:
             wanted.append(("state", self.key(request, length), 0, length))
-        reserved: list[tuple[str, BlockKey | CheckpointKey]] = []
-        parts = []
-        for kind, key, index, n in wanted:
-            if self.host.holds(kind, key):  # in the host tier already, or being fetched for another request
-                continue
-            host_id = self.host.reserve(kind, key, n)
-            if host_id is None:  # no room (everything pinned): recompute instead
-                for k, held_key in reserved:
-                    self.host.publish(k, held_key, ok=False)
-                self.remote_skipped += 1
-                return False
-            reserved.append((kind, key))
-            parts.append((kind, index, host_id))
+        held = self._reserve([(kind, key, n) for kind, key, _, n in wanted])
+        if held is None:  # no room (everything pinned): recompute instead
+            self.remote_skipped += 1
+            return False
+        reserved, host_ids = held
+        parts = [(kind, index, host_id)
+                 for (kind, _, index, _), host_id in zip(wanted, host_ids, strict=True) if host_id is not None]
         if not parts:
             return False
         self._fetching[rid] = reserved

@@ -146,6 +146,17 @@ def _weight_tile(W, S, expert, rows, row_mask, k0, stride_we, stride_wr, stride_
 
 
 @triton.jit
+def _block_rows(BLOCK_EXPERT, PAIRS, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's block: (its expert, -1 past the real blocks; its sorted rows; their pairs; which rows hold a
+    pair of that expert)."""
+    block = tl.program_id(0)
+    expert = tl.load(BLOCK_EXPERT + block)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(PAIRS + rows)
+    return expert, rows, pair, (pair < num_pairs) & (expert >= 0)
+
+
+@triton.jit
 def _tanh(x):
     """tanh from exp (the interpreter and every backend have exp): 1 - 2 / (e^{2x} + 1), exact at +-inf."""
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -159,11 +170,7 @@ def _moe_up(
     SITU: tl.constexpr, LINEAR_BETA: tl.constexpr, MXFP4: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(BLOCK_EXPERT + block)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(PAIRS + rows)
-    valid = (pair < num_pairs) & (expert >= 0)
+    expert, rows, pair, valid = _block_rows(BLOCK_EXPERT, PAIRS, num_pairs, BLOCK_M)
     token = tl.where(valid, pair // top_k, 0)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     jmask = j < inter
@@ -205,11 +212,7 @@ def _moe_down(
     ROUND_TO_X: tl.constexpr, MXFP4: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(BLOCK_EXPERT + block)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(PAIRS + rows)
-    valid = (pair < num_pairs) & (expert >= 0)
+    expert, rows, pair, valid = _block_rows(BLOCK_EXPERT, PAIRS, num_pairs, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < d
     e = tl.maximum(expert, 0)
