@@ -13,8 +13,9 @@ import hashlib
 import math
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from deltaserve.cache.block_hash import chain_hashes, parent_hash
 from deltaserve.cache.block_pool import BlockList, BlockPool
@@ -35,6 +36,10 @@ class _Holding:
     """(position, checkpoint slot) reserved for checkpoints the runner writes; registered once computed."""
     scratch: list[int] = field(default_factory=list)
     """Scratch slots of this step's proposed tokens: scratch[i] gets the state after i + 1 of the step's tokens."""
+
+
+_Where = TypeVar("_Where", str, int)
+"""Where a fetch reads an entry: a shared-store key, or a block index of a remote transfer."""
 
 
 class SharedLookup(Protocol):
@@ -312,13 +317,10 @@ class CacheManager:
         if self.shared is None or rid in self._probed or request.skip_prefix_cache:
             return False
         self._probed.add(rid)
-        entries = self._store_entries(request)
-        held = self._reserve([(kind, key, length) for kind, key, _, length in entries])
+        held = self._reserve(self._store_entries(request))
         if held is None:  # no room in the host tier (everything pinned): give the fetch up
             return False
-        reserved, host_ids = held
-        ops = [(kind, store_key, host_id)
-               for (kind, _, store_key, _), host_id in zip(entries, host_ids, strict=True) if host_id is not None]
+        reserved, ops = held
         if not ops:
             return False
         self._fetching[rid] = reserved
@@ -326,16 +328,15 @@ class CacheManager:
         self._shared_ops.fetches.extend(ops)
         return True
 
-    def _reserve(self, wanted: list[tuple[str, BlockKey | CheckpointKey, int]]
-                 ) -> tuple[list[tuple[str, BlockKey | CheckpointKey]], list[int | None]] | None:
-        """Host-tier entries for fetches of `wanted` (kind, key, length): (the reserved (kind, key)s, each wanted
-        entry's host id, None where the tier holds the key already or is fetching it for another request); None,
-        with nothing reserved, when one finds no room."""
+    def _reserve(self, wanted: Sequence[tuple[str, BlockKey | CheckpointKey, _Where, int]]
+                 ) -> tuple[list[tuple[str, BlockKey | CheckpointKey]], list[tuple[str, _Where, int]]] | None:
+        """Host-tier entries for fetches of `wanted` (kind, key, where the fetch reads it, length): (the reserved
+        (kind, key)s, (kind, where, host id) of each fetch to make; keys the tier holds already, or is fetching for
+        another request, need none); None, with nothing reserved, when one finds no room."""
         reserved: list[tuple[str, BlockKey | CheckpointKey]] = []
-        host_ids: list[int | None] = []
-        for kind, key, length in wanted:
+        fetches: list[tuple[str, _Where, int]] = []
+        for kind, key, where, length in wanted:
             if self.host.holds(kind, key):
-                host_ids.append(None)
                 continue
             host_id = self.host.reserve(kind, key, length)
             if host_id is None:
@@ -343,8 +344,8 @@ class CacheManager:
                     self.host.publish(k, held_key, ok=False)
                 return None
             reserved.append((kind, key))
-            host_ids.append(host_id)
-        return reserved, host_ids
+            fetches.append((kind, where, host_id))
+        return reserved, fetches
 
     def _store_entries(self, request: Request) -> list[tuple[str, BlockKey | CheckpointKey, str, int]]:
         """What the store adds to the local tiers' hit: (kind, host-tier key, store key, length) of its blocks past
@@ -430,13 +431,11 @@ class CacheManager:
             wanted.append(("kv", (parent, tail), full, 0))
         if self.checkpoints.get(self.key(request, length)) is None:
             wanted.append(("state", self.key(request, length), 0, length))
-        held = self._reserve([(kind, key, n) for kind, key, _, n in wanted])
+        held = self._reserve(wanted)
         if held is None:  # no room (everything pinned): recompute instead
             self.remote_skipped += 1
             return False
-        reserved, host_ids = held
-        parts = [(kind, index, host_id)
-                 for (kind, _, index, _), host_id in zip(wanted, host_ids, strict=True) if host_id is not None]
+        reserved, parts = held
         if not parts:
             return False
         self._fetching[rid] = reserved

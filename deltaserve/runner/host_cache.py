@@ -168,8 +168,8 @@ class HostCache:
 
 
 class _Indices:
-    """The copies' row ids as index tensors, made once per step for every layer (on the CPU and, lazily, on the
-    device)."""
+    """The copies' row pairs by name, and as index tensors (made on first use, then shared by every layer of the
+    step) for the copies within one device."""
 
     def __init__(self, copies: HostCopies, block_size: int) -> None:
         self.pairs: dict[str, Sequence[tuple[int, int]]] = {

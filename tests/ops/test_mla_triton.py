@@ -45,10 +45,10 @@ SHAPES = [  # (heads, rank, rope, block_size, contexts)
 @pytest.mark.interpret
 @pytest.mark.parametrize(("heads", "rank", "rope", "block_size", "contexts"), SHAPES)
 def test_interpreted_kernel_equals_the_reference_fp32(triton_interpreter, heads, rank, rope, block_size, contexts):
-    q, cache, tables, ctx = case(heads=heads, rank=rank, rope=rope, block_size=block_size, contexts=contexts)
-    if contexts == [40, 41, 42, 43]:
-        tables = tables[:1].expand(4, -1)  # one sequence's block table for every row: a verify chunk
-        q, cache, tables, ctx = case(heads=heads, rank=rank, rope=rope, block_size=block_size, contexts=[43])
+    verify = contexts == [40, 41, 42, 43]  # one sequence's rows: a verify chunk, each row one more token
+    q, cache, tables, ctx = case(heads=heads, rank=rank, rope=rope, block_size=block_size,
+                                 contexts=[max(contexts)] if verify else contexts)
+    if verify:
         q = torch.randn(4, heads, rank + rope, generator=torch.Generator().manual_seed(1))
         tables, ctx = tables.expand(4, -1), torch.tensor(contexts)
     scale = (rank + rope) ** -0.5

@@ -91,24 +91,19 @@ def test_no_tokens(triton_interpreter):
 
 
 def test_dispatch_sends_what_the_kernel_knows_and_nothing_else():
-    """Asked on CPU tensors under the interpreter (where `runs_on` takes fp32 CPU tensors): known activations and
-    formats pass, others (a lambda activation, MXFP8 activation rounding, fp64) do not."""
+    """Asked on CPU tensors (which the kernels take only under the interpreter, as here without a GPU): known
+    activations and formats pass, others (a lambda activation, MXFP8 activation rounding, fp64) do not."""
+    from deltaserve import envs
     from deltaserve.ops import moe
 
-    supports = next(b.supports for b in dispatch_backends(moe.moe_experts) if b.name == "triton")
+    supports = next(b.supports for b in moe.moe_experts.backends if b.name == "triton")  # type: ignore[attr-defined]
     args, kwargs = make("mxfp4-situ-interleaved-fp32combine")
-    interpreting = importlib.util.find_spec("triton") is not None and __import__("os").environ.get(
-        "TRITON_INTERPRET") == "1"
-    assert supports(*args, **kwargs) is interpreting
+    assert supports(*args, **kwargs) is envs.triton_interpret()
     assert not supports(*args, **{**kwargs, "act": lambda t: t})
     assert not supports(*args, **{**kwargs, "linear": functools.partial(mxfp4_linear, mxfp8_activations=True)})
     dense, dense_kwargs = make("dense-silu")
-    assert supports(*dense, **dense_kwargs) is interpreting
+    assert supports(*dense, **dense_kwargs) is envs.triton_interpret()
     assert not supports(dense[0].double(), *dense[1:], **dense_kwargs)
-
-
-def dispatch_backends(op):
-    return op.backends  # type: ignore[attr-defined]
 
 
 @pytest.mark.gpu

@@ -200,7 +200,7 @@ def _moe_up(
             u = linear_beta * _tanh(u / linear_beta)
         out = beta * _tanh(g / beta) * tl.sigmoid(g) * u
     else:
-        out = g.to(H.dtype.element_ty).to(tl.float32) * tl.sigmoid(g) * u
+        out = g * tl.sigmoid(g) * u
     tl.store(H + rows[:, None] * stride_hr + j[None, :], out.to(H.dtype.element_ty),
              mask=valid[:, None] & jmask[None, :])
 
