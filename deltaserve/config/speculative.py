@@ -10,8 +10,11 @@ from typing import Any
 
 from deltaserve.config.fields import check_known_fields, parse_json_object
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "dspark", "dflash")
+BLOCK_DRAFTERS = ("dspark", "dflash")
+"""Methods served by the block drafter (`spec_decode/dspark/`): 'dflash' is an alias of 'dspark'."""
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "block")
 MAX_SPECULATIVE_TOKENS = 16
 """Most proposed tokens per step: each one costs a scratch state slot per running sequence."""
 MAX_PROMPT_LOOKUP = 64
@@ -20,7 +23,7 @@ DEFAULT_PROMPT_LOOKUP = 5
 """vLLM's default for both n-gram bounds when neither is given."""
 
 _NGRAM_ONLY = ("prompt_lookup_min", "prompt_lookup_max")
-_DRAFT_ONLY = ("model", "draft_sample_method")
+_DRAFT_ONLY = ("model", "draft_sample_method", "rejection_sample_method")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,19 +33,27 @@ class SpeculativeConfig:
 
     method: str
     """'ngram' (prompt lookup: the tokens that followed an earlier occurrence of the context's last n tokens) or
-    'draft_model' (a small model of the same tokenizer drafts them)."""
+    'draft_model' (a small model of the same tokenizer drafts them) or 'dspark' (alias 'dflash': a block drafter
+    conditioned on the target's hidden states proposes all of them in one forward pass)."""
     num_speculative_tokens: int
     """Most tokens proposed per request and step, 1..16."""
     model: str | None = None
-    """draft_model only: the draft checkpoint directory (default: the embedded draft model)."""
+    """draft_model / dspark: the draft checkpoint directory (default: the embedded model's draft or drafter)."""
     prompt_lookup_min: int | None = None
     """ngram only: shortest n-gram matched. vLLM's rule: if only one bound is given the other equals it; with
     neither, both are 5."""
     prompt_lookup_max: int | None = None
     """ngram only: longest n-gram matched (tried first), at most 64."""
     draft_sample_method: str | None = None
-    """draft_model only: 'probabilistic' (default: drafts sampled at the request's temperature, verified by
+    """draft_model / dspark: 'probabilistic' (default: drafts sampled at the request's temperature, verified by
     rejection sampling) or 'greedy' (drafts are the draft model's argmax). Greedy requests always draft greedily."""
+    rejection_sample_method: str | None = None
+    """draft_model / dspark: how sampled drafts are verified: 'standard' (default: token by token, accept with
+    min(1, p/q)) or 'block' (block verification, Sun et al. 2024: the draft block is accepted jointly, never fewer
+    tokens in expectation). Both keep the target's distribution exactly."""
+    enable_adaptive_verification: bool = True
+    """dspark: each step verifies, per request, only the draft positions worth their cost at the current load (from
+    the drafter's confidence and step costs measured at start-up), down to none; False: verify every draft."""
     disable_by_batch_size: int | None = None
     """Propose nothing in steps with at least this many running requests (vLLM's `disable_by_batch_size`): at large
     batches a step is compute-bound, and verifying proposals costs more than the tokens it saves. None: never."""
@@ -75,6 +86,13 @@ class SpeculativeConfig:
             if method not in DRAFT_SAMPLE_METHODS:
                 raise ValueError(_err("draft_sample_method", "must be 'greedy' or 'probabilistic'", method))
             object.__setattr__(self, "draft_sample_method", method)
+            rejection = self.rejection_sample_method or "standard"
+            if rejection not in REJECTION_SAMPLE_METHODS:
+                raise ValueError(_err("rejection_sample_method", "must be 'standard' or 'block'", rejection))
+            object.__setattr__(self, "rejection_sample_method", rejection)
+        if not isinstance(self.enable_adaptive_verification, bool):
+            raise ValueError(_err("enable_adaptive_verification", "must be true or false",
+                                  self.enable_adaptive_verification))
 
     @classmethod
     def from_json(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -88,7 +106,7 @@ class SpeculativeConfig:
         for required in ("method", "num_speculative_tokens"):
             if required not in value:
                 raise ValueError(f"speculative_config.{required} is required")
-        for name in ("method", "model", "draft_sample_method"):
+        for name in ("method", "model", "draft_sample_method", "rejection_sample_method"):
             if name in value and value[name] is not None and not isinstance(value[name], str):
                 raise ValueError(_err(name, "must be a string", value[name]))
         return cls(**value)

@@ -18,6 +18,11 @@ DRAFT_PATH = Path(__file__).resolve().parent / "draft"
 speculative decoding's `draft_model` method."""
 
 
+DSPARK_PATH = Path(__file__).resolve().parent / "dspark"
+"""The embedded model's block drafter (`scripts/train_dspark.py`): the default checkpoint of speculative decoding's
+`dspark` method for the embedded model."""
+
+
 def default_model_dir() -> Path:
     """Directory of the embedded checkpoint (config.json, model.safetensors, tokenizer files)."""
     return Path(__file__).resolve().parent

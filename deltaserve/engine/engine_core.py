@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -21,6 +22,7 @@ from deltaserve.cache.remote import TransferResult
 from deltaserve.cache.spec import StateCacheSpec
 from deltaserve.config import EngineConfig, ModelConfig, RemotePrefill, check_parallel, parse_memory
 from deltaserve.config.kv_transfer import parse_transfer_request, prompt_digest
+from deltaserve.config.speculative import BLOCK_DRAFTERS
 from deltaserve.engine.hooks import GrammarHook, ProposerHook, StepHook
 from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.engine.stats import EngineStats, shared_store_stats
@@ -33,6 +35,8 @@ from deltaserve.request import FinishReason, Request
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.output import SchedulerOutput
 from deltaserve.scheduler.scheduler import Scheduler
+from deltaserve.spec_decode.adaptive import AdaptiveVerifier
+from deltaserve.spec_decode.cost_model import StepCostModel, measure_cost_model
 from deltaserve.spec_decode.factory import make_proposer
 from deltaserve.spec_decode.metrics import SpecDecodeStats
 from deltaserve.spec_decode.proposer import Proposer
@@ -112,6 +116,12 @@ class EngineCore:
             if proposer is None and config.speculative_config is not None:
                 proposer = make_proposer(config.speculative_config, config)
             self._plan_cache(proposer)
+            spec = config.speculative_config
+            verifier = None
+            if (proposer is not None and spec is not None and spec.method in BLOCK_DRAFTERS
+                    and spec.enable_adaptive_verification):
+                verifier = AdaptiveVerifier(self._measure_costs(proposer.num_speculative_tokens),
+                                            proposer.num_speculative_tokens)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -127,10 +137,9 @@ class EngineCore:
         )
         self.grammar_hook = GrammarHook(self.scheduler, self.structured)
         self.hooks: list[StepHook] = [self.grammar_hook]
-        spec = config.speculative_config
         self.proposer_hook = None if proposer is None else ProposerHook(
             self.scheduler, proposer, self.grammar_hook.grammars,
-            disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None)
+            disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None, verifier=verifier)
         if self.proposer_hook is not None:
             self.hooks.append(self.proposer_hook)
         self._arrivals = itertools.count()
@@ -142,6 +151,23 @@ class EngineCore:
         self._sends: dict[str, RemotePrefill] = {}
         """Prefill side: the transfer each producer request publishes, returned with its last output once sent."""
         self.transfer = TransferCounters()
+
+    def _measure_costs(self, k: int) -> StepCostModel:
+        """Adaptive verification's cost model: verification steps timed on the workers (batch sizes in powers of two
+        up to `max_num_seqs`, 1 or k + 1 tokens per sequence, a short and a long context) and the drafter's forward,
+        before any request. Logged as JSON."""
+        start = time.perf_counter()
+        sc, usage, block_size = self.config.scheduler, self.cache.usage(), self.config.cache.block_size
+        batch = [b for b in (1 << i for i in range(12)) if b <= min(sc.max_num_seqs, usage.num_slots)]
+        long_ctx = min(1024, self.max_model_len - k - 1, usage.num_blocks * block_size - k - 1)
+        contexts = sorted({min(64, long_ctx), long_ctx})
+        batch = [b for b in batch if b * (k + 1) <= sc.max_num_batched_tokens] or [1]
+        self.executor.time_step(batch[-1], k + 1, contexts[-1])  # warm-up: first calls allocate
+        model = measure_cost_model(lambda b, t, c: self.executor.time_step(b, t // b, c), batch_sizes=batch,
+                                   query_lens=[1, k + 1], context_lens=contexts, time_draft=self.executor.time_draft)
+        logger.info("adaptive verification: step costs measured in %.1f s: %s", time.perf_counter() - start,
+                    json.dumps(model.to_json()))
+        return model
 
     def _plan_cache(self, proposer: Proposer | None) -> None:
         """Size the pools from the workers' free memory, tell the workers to allocate them, build the manager."""
@@ -368,6 +394,7 @@ class EngineCore:
             step_seconds=self.stats.total_seconds, forward_seconds=self.stats.forward_seconds,
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens, spec_accepted_per_pos=tuple(spec.accepted_per_pos),
+            **self._adaptive_stats(),
             host_hit_tokens=prefix.host_hit_tokens,
             host_demoted_bytes=(prefix.host_blocks_demoted * self.cache.block_bytes
                                 + prefix.host_checkpoints_demoted * self.cache.bytes_per_slot),
@@ -385,6 +412,15 @@ class EngineCore:
             images_encoded=self.stats.images_encoded, encoder_cache_hits=self.stats.encoder_cache_hits,
             encoder_seconds=self.stats.encoder_seconds,
         )
+
+    def _adaptive_stats(self) -> dict[str, int]:
+        verifier = None if self.proposer_hook is None else self.proposer_hook.verifier
+        if verifier is None:
+            return {}
+        s = verifier.stats
+        return {"spec_adaptive_steps": s.num_steps, "spec_adaptive_offered_positions": s.num_offered_positions,
+                "spec_adaptive_verified_positions": s.num_verified_positions,
+                "spec_adaptive_draft_off_steps": s.num_draft_off_steps}
 
     def step(self) -> list[EngineCoreOutput]:
         """One engine iteration: hooks, schedule, run the model and the sampler on the workers, update every
@@ -406,7 +442,7 @@ class EngineCore:
         for rid, entries in result.prompt_logprobs.items():  # held until the request's first token
             self._prompt_logprobs.setdefault(rid, []).extend(entries)
         events = self.scheduler.update_from_output(out, result)
-        errors = {rid: error for hook in self.hooks for rid, error in hook.after_update(events).items()}
+        errors = {rid: error for hook in self.hooks for rid, error in hook.after_update(events, result).items()}
         elapsed = time.perf_counter() - start
         self.stats.steps += 1
         self.stats.total_seconds += elapsed

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from deltaserve.engine.messages import EngineCoreOutput
 from deltaserve.request import FinishReason
-from deltaserve.scheduler.output import SchedulerOutput
+from deltaserve.scheduler.output import RunnerOutput, SchedulerOutput
 from deltaserve.scheduler.scheduler import Scheduler, StepEvent
+from deltaserve.spec_decode.adaptive import AdaptiveVerifier
 from deltaserve.spec_decode.metrics import SpecDecodeStats
-from deltaserve.spec_decode.proposer import Proposer
+from deltaserve.spec_decode.proposer import Proposal, Proposer, WorkerDraftedProposer
 from deltaserve.structured.backend import Grammar
 from deltaserve.structured.manager import StructuredOutputManager
 
@@ -39,8 +40,9 @@ class StepHook(Protocol):
         """What the workers get (the hook may attach its per-step data)."""
         ...
 
-    def after_update(self, events: list[StepEvent]) -> dict[str, str]:
-        """After the scheduler took the step's tokens; returns {request id: error} for requests it ended."""
+    def after_update(self, events: list[StepEvent], result: RunnerOutput) -> dict[str, str]:
+        """After the scheduler took the step's tokens (`result`: what the workers returned); returns
+        {request id: error} for requests it ended."""
         ...
 
 
@@ -84,7 +86,7 @@ class GrammarHook:
             bitmask = self.structured.bitmask(grammars)
         return replace(out, structured_request_ids=[c.request_id for c in chunks], grammar_bitmask=bitmask)
 
-    def after_update(self, events: list[StepEvent]) -> dict[str, str]:
+    def after_update(self, events: list[StepEvent], result: RunnerOutput) -> dict[str, str]:
         """Feed every constrained request its new tokens. A token the grammar rejects finishes the request with an
         error; a finished request's grammar is dropped."""
         rejected: dict[str, str] = {}
@@ -106,15 +108,20 @@ class GrammarHook:
 
 class ProposerHook:
     """Speculative decoding: before each step, ask the proposer for the next tokens of every decoding request; the
-    scheduler verifies them in the step. A constrained request's proposals are cut at the first token its grammar
-    rejects. Counts drafts and accepted tokens (`stats`)."""
+    scheduler verifies them in the step. With a `verifier` (adaptive verification), proposals with confidences are
+    cut to the positions worth verifying at this load, and the workers draft for the next step only while
+    speculation can win (`SchedulerOutput.propose_drafts`). A constrained request's proposals are cut at the first
+    token its grammar rejects. Counts drafts and accepted tokens (`stats`). Drafts made on the workers (a block
+    drafter's) reach the proposer from each step's result."""
 
     def __init__(self, scheduler: Scheduler, proposer: Proposer, grammars: Mapping[str, Grammar], *,
-                 disable_by_batch_size: int | None = None) -> None:
+                 disable_by_batch_size: int | None = None, verifier: AdaptiveVerifier | None = None) -> None:
         self.scheduler, self.proposer, self.grammars = scheduler, proposer, grammars
-        self.disable_by_batch_size = disable_by_batch_size
+        self.disable_by_batch_size, self.verifier = disable_by_batch_size, verifier
         self.stats = SpecDecodeStats()
         self._probs: dict[str, torch.Tensor] = {}
+        self._confidences: dict[str, tuple[float, ...]] = {}
+        """This step's offered confidences per request (what the verifier learns calibration from)."""
 
     def forget(self, request_id: str) -> None:
         """A request ended (finished or aborted): the proposer drops what it keeps for it."""
@@ -122,7 +129,7 @@ class ProposerHook:
         self.proposer.forget(request_id)
 
     def before_schedule(self) -> list[EngineCoreOutput]:
-        self._probs = {}
+        self._probs, self._confidences = {}, {}
         decoding = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         limit = self.disable_by_batch_size
         if not decoding or (limit is not None and len(self.scheduler.running) >= limit):
@@ -130,6 +137,8 @@ class ProposerHook:
                 request.spec_token_ids = []
             return []
         proposals = self.proposer.propose(decoding)
+        if self.verifier is not None:
+            proposals = self._adapt(proposals)
         k = self.proposer.num_speculative_tokens
         for request in decoding:
             proposal = proposals.get(request.request_id)
@@ -140,17 +149,57 @@ class ProposerHook:
             request.spec_token_ids = tokens
             if tokens and proposal is not None and proposal.probs is not None:
                 self._probs[request.request_id] = proposal.probs
+            if tokens and proposal is not None and proposal.confidences is not None:
+                self._confidences[request.request_id] = proposal.confidences
         return []
 
+    def _adapt(self, proposals: dict[str, Proposal]) -> dict[str, Proposal]:
+        """Proposals cut to the verifier's choice (those without confidences stay whole). Only ever shortens them:
+        which drafts are offered changes no output."""
+        assert self.verifier is not None
+        scored = [r for r in self.scheduler.running
+                  if (p := proposals.get(r.request_id)) is not None and p.confidences]
+        if not scored:
+            return proposals
+        ids = {r.request_id for r in scored}
+        others = [r for r in self.scheduler.running if r.request_id not in ids]
+        budget = self.scheduler.cfg.max_num_batched_tokens
+        other_tokens = min(sum(r.num_tokens - r.num_computed_tokens for r in others), budget)
+        lengths = self.verifier.choose([proposals[r.request_id].confidences or () for r in scored],
+                                       [r.num_tokens for r in scored], num_other_seqs=len(others),
+                                       num_other_tokens=max(other_tokens, len(others)))
+        out = dict(proposals)
+        for r, m in zip(scored, lengths, strict=True):
+            p = proposals[r.request_id]
+            out[r.request_id] = replace(p, token_ids=p.token_ids[:m], probs=None if p.probs is None else p.probs[:m],
+                                        confidences=(p.confidences or ())[:m])
+        return out
+
     def after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
-        """Attach the draft distributions of the verified proposals that were drawn from one."""
+        """Attach the draft distributions of the verified proposals that were drawn from one; with a verifier, say
+        whether the workers draft for the next step."""
+        if self.verifier is not None:
+            sampling = [c for c in out.chunks if c.sample]
+            if sampling:
+                others = [c for c in out.chunks if not c.sample]
+                draft = self.verifier.should_draft(
+                    len(sampling), round(sum(c.num_computed_tokens for c in sampling) / len(sampling)),
+                    num_other_seqs=len(others), num_other_tokens=sum(len(c.new_token_ids) for c in others))
+                if not draft:
+                    out = replace(out, propose_drafts=False)
         if not self._probs:
             return out
         probs = {c.request_id: self._probs[c.request_id][:c.num_proposed] for c in out.chunks
                  if c.num_proposed and c.request_id in self._probs}
         return replace(out, draft_probs=probs) if probs else out
 
-    def after_update(self, events: list[StepEvent]) -> dict[str, str]:
+    def after_update(self, events: list[StepEvent], result: RunnerOutput) -> dict[str, str]:
+        if result.drafts and isinstance(self.proposer, WorkerDraftedProposer):
+            self.proposer.receive(result.drafts)
+        observed = [e for e in events if e.num_proposed and e.request.request_id in self._confidences]
+        if self.verifier is not None and observed:
+            self.verifier.observe([e.num_proposed for e in observed], [e.num_accepted for e in observed],
+                                  [self._confidences[e.request.request_id] for e in observed])
         for e in events:
             self.stats.observe(e.num_proposed, e.num_accepted)
             if e.request.is_finished:

@@ -50,6 +50,14 @@ class EngineStats:
     """Proposed tokens accepted (cumulative)."""
     spec_accepted_per_pos: tuple[int, ...] = ()
     """Index j: drafts whose proposed token j was accepted (cumulative)."""
+    spec_adaptive_steps: int = 0
+    """Adaptive verification: steps it decided (cumulative; 0 without it)."""
+    spec_adaptive_offered_positions: int = 0
+    """Draft positions the block drafter offered it (cumulative)."""
+    spec_adaptive_verified_positions: int = 0
+    """Draft positions it kept for verification (cumulative): the rest were cut as not worth their cost."""
+    spec_adaptive_draft_off_steps: int = 0
+    """Steps after which it turned drafting off (speculation could not win at that load; cumulative)."""
     host_hit_tokens: int = 0
     """Prompt tokens of prefix hits that needed the host tier (cumulative; also in `prefix_hit_tokens`)."""
     host_demoted_bytes: int = 0

@@ -59,6 +59,15 @@ class Executor(Protocol):
         is gone; any other exception is a failed step (the core ends the requests it held and goes on)."""
         ...
 
+    def time_step(self, num_seqs: int, query_len: int, context_len: int) -> float:
+        """Seconds of one speculative-verification forward on the workers (`ModelRunner.time_step`): the adaptive
+        verifier's cost model, measured after `initialize_cache` and before any step."""
+        ...
+
+    def time_draft(self, num_seqs: int) -> float:
+        """Seconds of one block-drafter forward for `num_seqs` requests (`BlockDrafting.time_draft`)."""
+        ...
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
         ...
@@ -81,6 +90,12 @@ class BroadcastExecutor:
 
     def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
         self._call("initialize_cache", layout, num_slots)
+
+    def time_step(self, num_seqs: int, query_len: int, context_len: int) -> float:
+        return float(self._call("time_step", num_seqs, query_len, context_len))
+
+    def time_draft(self, num_seqs: int) -> float:
+        return float(self._call("time_draft", num_seqs))
 
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
         if self._block_sender is None:

@@ -24,5 +24,11 @@ class UniprocExecutor:
     def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute_model(out)
 
+    def time_step(self, num_seqs: int, query_len: int, context_len: int) -> float:
+        return self.worker.time_step(num_seqs, query_len, context_len)
+
+    def time_draft(self, num_seqs: int) -> float:
+        return self.worker.time_draft(num_seqs)
+
     def shutdown(self) -> None:
         self.worker.close()

@@ -11,6 +11,7 @@ import torch
 from deltaserve import envs
 from deltaserve.cache.planner import CacheLayout
 from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.config.speculative import BLOCK_DRAFTERS
 from deltaserve.distributed import init_parallel_group
 from deltaserve.distributed.eplb import EPLBSettings
 from deltaserve.executor.base import WorkerInfo
@@ -18,9 +19,11 @@ from deltaserve.executor.block_sync import BlockDeltaStep, BlockTableReceiver
 from deltaserve.executor.shared_store import open_shared_store, shared_namespace
 from deltaserve.kvtransfer.transport import TransferServer
 from deltaserve.layers.linear import prepack_weights
+from deltaserve.models.dspark import load_drafter, resolve_drafter_path
 from deltaserve.models.kimi_vision import load_vision_model
 from deltaserve.models.loader import load_model
 from deltaserve.ops import dispatch
+from deltaserve.runner.block_drafting import BlockDrafting
 from deltaserve.runner.encoder_cache import EncoderCache
 from deltaserve.runner.image_embedder import ImageEmbedder
 from deltaserve.runner.kv_transfer_io import KVTransferIO
@@ -108,7 +111,17 @@ class Worker:
                                   num_slots=num_slots,
                                   max_num_tokens=self.config.scheduler.max_num_batched_tokens,
                                   num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots,
-                                  overlap_host_copies=envs.host_copy_overlap())
+                                  overlap_host_copies=envs.host_copy_overlap(),
+                                  rejection_sample_method=self._rejection_sample_method())
+        spec = self.config.speculative_config
+        if spec is not None and spec.method in BLOCK_DRAFTERS:
+            path = resolve_drafter_path(spec.model, self.config.model)
+            self.runner.drafting = BlockDrafting(
+                load_drafter(path, dtype=getattr(torch, self.config.dtype), device=self.device), self.model,
+                sample_method=spec.draft_sample_method or "probabilistic", seed=self.config.seed)
+            logger.info("dspark block drafter %s: %d drafts per forward over %d target positions of layers %s",
+                        path, self.runner.drafting.block_size, self.runner.drafting.window,
+                        list(self.runner.drafting.drafter.config.tap_layers))
         if self.vision is not None:
             self.runner.images = ImageEmbedder(self.vision, EncoderCache(self.config.cache.encoder_cache_bytes),
                                              getattr(torch, self.config.dtype))
@@ -124,6 +137,22 @@ class Worker:
                 block_size=layout.block_size, server=self.transfer_server,
                 client=make_client(kv) if kv.is_consumer else None, timeout_s=kv.transfer_timeout_s,
                 ttl_s=kv.transfer_ttl_s, all_gather=self._all_gather_bytes)
+
+    def _rejection_sample_method(self) -> str:
+        spec = self.config.speculative_config
+        return "standard" if spec is None or spec.rejection_sample_method is None else spec.rejection_sample_method
+
+    def time_step(self, num_seqs: int, query_len: int, context_len: int) -> float:
+        """`ModelRunner.time_step` (start-up measurements of the adaptive verifier)."""
+        if self.runner is None:
+            raise RuntimeError("time_step before initialize_cache")
+        return self.runner.time_step(num_seqs, query_len, context_len)
+
+    def time_draft(self, num_seqs: int) -> float:
+        """`BlockDrafting.time_draft`; 0 without a block drafter."""
+        if self.runner is None:
+            raise RuntimeError("time_draft before initialize_cache")
+        return 0.0 if self.runner.drafting is None else self.runner.drafting.time_draft(num_seqs)
 
     def _all_gather_bytes(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's 1-D `x`, concatenated in rank order, on the host (through the device when NCCL needs it)."""

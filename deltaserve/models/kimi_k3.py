@@ -152,7 +152,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
         cfg = self.config
-        h = self.vocab.embed(input_ids, self.embed_tokens)
+        h = self.embed(input_ids)
         if batch.embed_rows is not None and batch.embed_values is not None:  # image placeholders: their features
             h = h.index_copy(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         if cfg.attn_res_block_size is None:
@@ -169,6 +169,10 @@ class KimiK3ForConditionalGeneration(nn.Module):
         """Pack the LM head for the CPU linear (`layers.linear.prepack_weights`); a tied head is the embedding table,
         read by row, and stays plain."""
         return 0 if self.config.tie_word_embeddings else pack_parameter(self, "lm_head")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [n] -> token embeddings [n, d] (on every rank: the vocabulary shards are reduced)."""
+        return self.vocab.embed(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d] -> fp32 logits [n, vocab] (on every rank: each computes its vocabulary share)."""

@@ -35,6 +35,9 @@ class Model(Protocol):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [n] -> token embeddings [n, d] (what `forward` starts from; a block drafter reads it too)."""
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d] -> fp32 logits [n, vocab]."""
 

@@ -16,15 +16,17 @@ from deltaserve.models.protocol import Model
 from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.outputs import TokenLogprobs
+from deltaserve.runner.block_drafting import BlockDrafting, StepLayout
 from deltaserve.runner.host_cache import HostCache, HostCopyJob
 from deltaserve.runner.image_embedder import ImageEmbedder
 from deltaserve.runner.input_batch import InputBatch
 from deltaserve.runner.kv_tensors import allocate_layer_caches
 from deltaserve.runner.kv_transfer_io import KVTransferIO
-from deltaserve.runner.sampler import DraftToken, SamplingRow, TokenBitmask, sample
+from deltaserve.runner.sampler import DraftToken, SamplingRow, TokenBitmask, sample, sampling_probs, token_logprobs
 from deltaserve.runner.shared_io import SharedStoreIO
 from deltaserve.runner.staged_caches import StagedCaches
 from deltaserve.scheduler.output import (
+    BlockDraft,
     EncoderStepStats,
     NewRequestData,
     RunnerOutput,
@@ -50,7 +52,7 @@ class ModelRunner:
 
     def __init__(self, model: Model, *, num_blocks: int, block_size: int, num_slots: int,
                  max_num_tokens: int = 2048, num_host_blocks: int = 0, num_host_slots: int = 0,
-                 overlap_host_copies: bool | None = None) -> None:
+                 overlap_host_copies: bool | None = None, rejection_sample_method: str = "standard") -> None:
         """`num_host_blocks`, `num_host_slots`: the host tier of the prefix cache (none when 0);
         `overlap_host_copies`: its copies run beside the forward, layer by layer (False: all before it; None: beside
         it on a GPU, before it on a CPU)."""
@@ -69,11 +71,20 @@ class ModelRunner:
         """Disaggregation: publishes prefill caches and fetches remote ones (set by the worker when configured)."""
         self.images: ImageEmbedder | None = None
         """The vision tower and encoder cache (set by the worker when the checkpoint has a vision tower)."""
+        self.drafting: BlockDrafting | None = None
+        """Speculative method dspark: the block drafter, run after sampling (set by the worker)."""
+        self._layout = StepLayout((), ())
+        """Where the last forward put each chunk's rows (the block drafter reads its features by it)."""
         self.input_batch = InputBatch(block_size=block_size, device=self.device, max_num_tokens=max_num_tokens)
         self._requests: dict[str, _RequestState] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_forward_seconds = 0.0
         """Wall time of the model forward (and LM head) in the last step: the rest of a step is overhead."""
+        if rejection_sample_method not in ("standard", "block"):
+            raise ValueError(f"rejection_sample_method must be 'standard' or 'block', got {rejection_sample_method!r}")
+        self.rejection_sample_method = rejection_sample_method
+        """How proposals with draft distributions are verified: 'standard' (token by token) or 'block' (jointly,
+        `ops.sampling.block_rejection_sample`)."""
 
     # -- the engine's entry point --------------------------------------------------------------------------------
 
@@ -83,11 +94,14 @@ class ModelRunner:
         self.last_forward_seconds = 0.0
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
+            if self.drafting is not None:
+                self.drafting.forget(rid)
         for data in out.new_requests:
             seed = data.params.seed
             gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
             self._requests[data.request_id] = _RequestState(data, gen)
         sampled: dict[str, list[SampledToken]] = {}
+        drafts: dict[str, BlockDraft] = {}
         self._prompt_logprobs = {}
         fetched: list[bool] = []
         host_caches = None if self.host is None else self.host.caches
@@ -119,7 +133,12 @@ class ModelRunner:
                     transfer.seconds if transfer else 0.0) + time.perf_counter() - start)
             chunks = [c for c in out.chunks if c.sample]
             if chunks:
-                sampled = self._sample(logits, chunks, out)
+                sampled = self._sample(logits, chunks, out if self.drafting is None
+                                       else self.drafting.with_kept_probs(out))
+            if self.drafting is not None:
+                drafts = self.drafting.after_step(
+                    out.chunks, sampled, self._layout, {c.request_id: self._requests[c.request_id].data.params
+                                                        for c in chunks}, propose=out.propose_drafts)
         if store_reads is not None:
             assert self.shared is not None
             fetched = self.shared.finish(store_reads)
@@ -128,7 +147,7 @@ class ModelRunner:
             fetched_now = self.transfer.finish_fetch(pending, self.caches, host_caches)
             transfer = fetched_now if transfer is None else dataclasses.replace(
                 fetched_now, sent=transfer.sent, seconds=fetched_now.seconds + transfer.seconds)
-        return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs,
+        return RunnerOutput(sampled=sampled, prompt_logprobs=self._prompt_logprobs, drafts=drafts,
                             forward_seconds=self.last_forward_seconds, host_copy_seconds=host_seconds,
                             shared_fetched=fetched, transfer=transfer,
                             shared_store=None if self.shared is None else self.shared.store.stats,
@@ -160,7 +179,9 @@ class ModelRunner:
         (`out.draft_probs`) is verified by rejection sampling; a deterministic one (n-gram, greedy draft) by
         sampling as plain decoding would and accepting it when the sample equals it, which is rejection sampling
         for a one-hot draft and keeps greedy and seeded outputs exactly those of plain decoding. The first
-        rejected position keeps its sample; when all are accepted, the position after them is sampled too."""
+        rejected position keeps its sample; when all are accepted, the position after them is sampled too. With
+        `rejection_sample_method` 'block', chunks whose proposals have draft distributions are verified jointly
+        instead (`_verify_blocks`); the others take the rounds in the same call."""
         states = [self._requests[c.request_id] for c in chunks]
         first_row = list(itertools.accumulate((1 + c.num_proposed for c in chunks), initial=0))
         mask_row = {}  # request id -> its first row in the grammar bitmask
@@ -169,6 +190,10 @@ class ModelRunner:
             mask_row = dict(zip(out.structured_request_ids, itertools.accumulate(
                 (1 + proposed[rid] for rid in out.structured_request_ids), initial=0), strict=False))
         result: dict[str, list[SampledToken]] = {c.request_id: [] for c in chunks}
+        blocks = [i for i, c in enumerate(chunks) if c.num_proposed and c.request_id in out.draft_probs
+                  ] if self.rejection_sample_method == "block" else []
+        if blocks:
+            self._verify_blocks(logits, chunks, blocks, first_row, mask_row, out, result)
         if not out.draft_probs and not mask_row and all(_plain_greedy(s) for s in states):
             # Nothing changes these rows' logits before the argmax: one argmax for every position, the same tokens
             # the rounds below would pick, without a sampler call per position.
@@ -181,7 +206,10 @@ class ModelRunner:
                     if j == c.num_proposed or token != c.new_token_ids[1 + j]:
                         break
             return result
-        active = list(range(len(chunks)))
+        done = set(blocks)
+        active = [i for i in range(len(chunks)) if i not in done]
+        if not active:
+            return result
         for j in range(1 + max(c.num_proposed for c in chunks)):
             rows = [SamplingRow(params=states[i].data.params, generator=states[i].generator,
                                 prompt_token_ids=states[i].data.prompt_token_ids,
@@ -206,6 +234,54 @@ class ModelRunner:
                 break
             active = still
         return result
+
+    def _verify_blocks(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], blocks: Sequence[int],
+                       first_row: Sequence[int], mask_row: dict[str, int], out: SchedulerOutput,
+                       result: dict[str, list[SampledToken]]) -> None:
+        """Block verification (`ops.sampling.block_rejection_sample`) of the chunks at `blocks`, whose proposals
+        were drawn from `out.draft_probs`. One sampler pass gives the target distribution at every position 0..n of
+        each, given the proposals before it (penalties, bad words and min_tokens count them as output tokens; each
+        position has its own grammar mask row); then each request's accepted proposals and the token after them
+        join its output and `result`, with logprobs of their raw logits rows where asked."""
+        rows: list[SamplingRow] = []
+        logit_rows: list[int] = []
+        constrained: list[tuple[int, int]] = []  # (row, grammar bitmask row)
+        for i in blocks:
+            c, state = chunks[i], self._requests[chunks[i].request_id]
+            proposed = c.new_token_ids[len(c.new_token_ids) - c.num_proposed:]
+            for j in range(1 + c.num_proposed):
+                if c.request_id in mask_row:
+                    constrained.append((len(rows), mask_row[c.request_id] + j))
+                rows.append(SamplingRow(params=state.data.params, generator=state.generator,
+                                        prompt_token_ids=state.data.prompt_token_ids,
+                                        output_token_ids=[*state.output_token_ids, *proposed[:j]],
+                                        stop_token_ids=state.data.stop_token_ids))
+                logit_rows.append(first_row[i] + j)
+        bitmask = None if not constrained or out.grammar_bitmask is None else TokenBitmask(
+            row_indices=[n for n, _ in constrained],
+            bitmask=out.grammar_bitmask[torch.tensor([r for _, r in constrained])])
+        block_logits = logits[torch.tensor(logit_rows, device=logits.device)]  # [R, V]
+        probs = sampling_probs(block_logits, rows, bitmask)  # [R, V]
+        emitted: list[tuple[str, int, int]] = []  # (request id, row in `rows`, token)
+        start = 0
+        for i in blocks:
+            c, state = chunks[i], self._requests[chunks[i].request_id]
+            proposed = c.new_token_ids[len(c.new_token_ids) - c.num_proposed:]
+            num_accepted, token = sampling_ops.block_rejection_sample(
+                probs[start:start + c.num_proposed + 1], out.draft_probs[c.request_id][:c.num_proposed],
+                torch.tensor(proposed, device=probs.device), state.generator)
+            tokens = [*proposed[:num_accepted], token]
+            state.output_token_ids.extend(tokens)
+            emitted.extend((c.request_id, start + j, t) for j, t in enumerate(tokens))
+            start += c.num_proposed + 1
+        logprobs: list[TokenLogprobs | None] = [None] * len(emitted)
+        if any(rows[r].params.logprobs is not None for _, r, _ in emitted):
+            picked = [r for _, r, _ in emitted]
+            logprobs = token_logprobs(block_logits[torch.tensor(picked, device=logits.device)],
+                                      torch.tensor([t for _, _, t in emitted], device=logits.device),
+                                      [rows[r] for r in picked])
+        for (rid, _, t), lp in zip(emitted, logprobs, strict=True):
+            result[rid].append(SampledToken(t, lp))
 
     @staticmethod
     def _draft(chunk: ScheduledChunk, position: int, draft_probs: dict[str, torch.Tensor]) -> DraftToken | None:
@@ -240,6 +316,7 @@ class ModelRunner:
         for row, i in enumerate(order):
             row_of_chunk[i] = row
         cu = batch.cu_seqlens_host
+        self._layout = StepLayout(cu, row_of_chunk)
         rows: list[int] = []
         for i, c in enumerate(chunks):
             if c.sample or not only_sampled:
@@ -289,6 +366,25 @@ class ModelRunner:
                     entries.append(TokenLogprobs(token_id=t, logprob=lp, rank=rank,
                                                  top=tuple(zip(ids, values, strict=True))))
             state.num_prompt_logprobs = end
+
+    def time_step(self, num_seqs: int, query_len: int, context_len: int) -> float:
+        """Seconds of one forward (and LM head on every verified row) of `num_seqs` sequences of `query_len` new
+        tokens after `context_len` cached ones, as a speculative step (query_len - 1 proposals). For the adaptive
+        verifier's cost model at start-up, before any request: it writes into state slots [0, num_seqs) and into
+        the first blocks (shared by every sequence: their contents do not matter, only the work)."""
+        num_blocks = -(-(context_len + query_len) // self.block_size)
+        if num_seqs > self.num_slots or num_blocks > self.num_blocks:
+            raise ValueError(f"time_step: {num_seqs} sequences of {context_len + query_len} tokens need {num_seqs} "
+                             f"slots and {num_blocks} blocks, the cache has {self.num_slots} and {self.num_blocks}")
+        chunks = [ScheduledChunk(request_id=f"timing-{s}", new_token_ids=[0] * query_len,
+                                 num_computed_tokens=context_len, state_slot=s, block_ids=list(range(num_blocks)),
+                                 num_proposed=query_len - 1) for s in range(num_seqs)]
+        start = time.perf_counter()
+        self.execute_model(chunks, only_sampled=True).argmax(dim=-1).tolist()  # .tolist waits for the device
+        seconds = time.perf_counter() - start
+        if self.drafting is not None:
+            self.drafting.taps.take()  # not a real step's features
+        return seconds
 
     def apply_copies(
         self, block_copies: Sequence[tuple[int, int, int]], state_copies: Sequence[tuple[int, int]]

@@ -79,6 +79,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     generator. A non-greedy row with a draft token verifies it by rejection sampling against those final
     probabilities (`ops.sampling.rejection_sample`): the draft token when accepted, a residual sample otherwise, so
     the token is distributed as plain sampling's. (A greedy row takes the argmax: the draft is accepted iff equal.)
+    `sampling_probs` returns the distributions drawn from.
 
     Args:
         logits: ``[N, V]`` fp32; row i belongs to ``rows[i]``. Not modified.
@@ -89,6 +90,41 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     Returns:
         The N token ids and, per row, its logprobs (computed from the raw ``logits``) or None.
     """
+    token_ids, random_rows, probs = _final_distributions(logits, rows, token_bitmask)
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        sampled = _sample_random(probs, [rows[i] for i in random_rows],
+                                 [drafts[i] for i in random_rows] if drafts is not None else None)
+        token_ids.index_copy_(0, idx, sampled)
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=token_logprobs(logits, token_ids, rows))
+
+
+def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: TokenBitmask | None = None
+                   ) -> torch.Tensor:
+    """The distribution `sample` draws each row's token from: its logits through every mask and processor, in
+    `sample`'s order and with its fallbacks (allowed_token_ids, bad_words, min_tokens, the grammar bitmask,
+    logit_bias, penalties, then temperature, min-p, top-k and top-p, softmax). A greedy row's is one-hot at its
+    argmax. What speculative verification compares draft distributions with (`ops.sampling.block_rejection_sample`).
+
+    Args:
+        logits: ``[N, V]`` fp32; row i belongs to ``rows[i]``. Not modified.
+        rows: N sampling rows (generators are not used).
+        token_bitmask: the grammar-allowed tokens of the constrained rows, or None.
+
+    Returns:
+        ``[N, V]`` fp32 probabilities, each row summing to 1.
+    """
+    token_ids, random_rows, probs = _final_distributions(logits, rows, token_bitmask)
+    out = torch.zeros_like(logits).scatter_(1, token_ids[:, None], 1.0)
+    if random_rows:
+        out.index_copy_(0, torch.tensor(random_rows, device=logits.device), probs)
+    return out
+
+
+def _final_distributions(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: TokenBitmask | None
+                         ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """The processing chain shared by `sample` and `sampling_probs`: ``(argmax [N] of the processed logits, the
+    indices of the non-greedy rows, their probabilities [M, V])``."""
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits must be [N, V] with N = len(rows) = {len(rows)}, got {tuple(logits.shape)}")
     raw = logits
@@ -100,12 +136,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: Tok
     logits = _apply_penalties(logits, rows)
     token_ids = logits.argmax(dim=-1)  # [N]
     random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        sampled = _sample_random(logits.index_select(0, idx), [rows[i] for i in random_rows],
-                                 [drafts[i] for i in random_rows] if drafts is not None else None)
-        token_ids.index_copy_(0, idx, sampled)
-    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=_logprobs(raw, token_ids, rows))
+    if not random_rows:
+        return token_ids, random_rows, logits[:0]
+    idx = torch.tensor(random_rows, device=logits.device)
+    return token_ids, random_rows, _random_probs(logits.index_select(0, idx), [rows[i] for i in random_rows])
 
 
 def _mask_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -227,9 +261,8 @@ def _needs_filter(params: SamplingParams, vocab_size: int) -> bool:
     return 0 < params.top_k < vocab_size or params.top_p < 1.0 or params.min_p > 0.0
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow],
-                   drafts: Sequence[DraftToken | None] | None = None) -> torch.Tensor:
-    """``logits [M, V]`` (penalised, non-greedy rows only) -> ``[M]`` sampled (or draft-verified) token ids."""
+def _random_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits [M, V]`` (penalised, non-greedy rows only) -> ``[M, V]`` the probabilities they sample from."""
     device, vocab_size = logits.device, logits.shape[1]
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=device)
     logits = sampling_ops.apply_temperature(logits, temperature)
@@ -245,7 +278,13 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow],
             torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
         )
         logits = logits.index_copy(0, idx, masked)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def _sample_random(probs: torch.Tensor, rows: Sequence[SamplingRow],
+                   drafts: Sequence[DraftToken | None] | None = None) -> torch.Tensor:
+    """``probs [M, V]`` (`_random_probs`) -> ``[M]`` sampled (or draft-verified) token ids."""
+    device = probs.device
     verified = [i for i, d in enumerate(drafts or ()) if d is not None]
     if not verified:
         return sampling_ops.random_sample(probs, [r.generator for r in rows])
@@ -264,7 +303,10 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow],
     return tokens
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenLogprobs | None]:
+def token_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+                   ) -> list[TokenLogprobs | None]:
+    """Per row, the logprob, rank and top ``params.logprobs`` alternatives of ``token_ids [N]`` under the ``raw
+    [N, V]`` logits (before any processor, as vLLM returns them); None for rows whose ``params.logprobs`` is None."""
     out: list[TokenLogprobs | None] = [None] * len(rows)
     wanted = {i: n for i, row in enumerate(rows) if (n := row.params.logprobs) is not None}
     if not wanted:

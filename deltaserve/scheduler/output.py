@@ -89,7 +89,11 @@ class SchedulerOutput:
     `structured_request_ids` is empty."""
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per request whose proposals were drawn from a distribution: ``[num_proposed, vocab]`` fp32, row j the
-    distribution of proposal j (rejection sampling). Requests missing here verify deterministic proposals."""
+    distribution of proposal j (rejection sampling). Requests missing here verify deterministic proposals (or, with
+    a block drafter, the distributions its runner kept)."""
+    propose_drafts: bool = True
+    """Block drafter: draft the next tokens of this step's sampled requests after sampling (False: the engine's
+    adaptive verification found speculation not worth its cost at this load)."""
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +106,18 @@ class SampledToken:
 
     token_id: int
     logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDraft:
+    """A block drafter's proposal for a request's next step, made on the workers right after this step sampled."""
+
+    token_ids: tuple[int, ...]
+    """The drafts, continuing the request's tokens after this step."""
+    confidences: tuple[float, ...]
+    """Per draft, the drafter's probability of it (what adaptive verification weighs)."""
+    num_tokens: int
+    """The request's tokens (prompt and output) the drafts continue: they apply only while it has exactly these."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,3 +154,5 @@ class RunnerOutput:
     """The step's disaggregation transfers (None when it had none)."""
     encoder: EncoderStepStats = EncoderStepStats()
     """The step's image encoding."""
+    drafts: dict[str, BlockDraft] = field(default_factory=dict)
+    """Block drafter: per sampled request, the drafts of its next step."""

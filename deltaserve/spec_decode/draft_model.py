@@ -43,19 +43,12 @@ from deltaserve.layers.forward_batch import KDALayerCache
 from deltaserve.models.loader import load_model
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.request import Request
+from deltaserve.runner.draft_distribution import draft_distribution, draft_seed
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.scheduler.output import ScheduledChunk
 from deltaserve.spec_decode.proposer import Proposal
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
-_SEED_MIX = 0x9E3779B97F4A7C15
-"""Multiplier that turns a request's seed into its draft generator's seed (a different stream than the target's)."""
-
-
-def _draft_seed(seed: int) -> int:
-    return (seed * _SEED_MIX + 0x632BE59BD9B4E019) % (1 << 63)
-
-
 @dataclass(slots=True)
 class _DraftState:
     """What the proposer keeps for one request."""
@@ -119,7 +112,7 @@ class DraftModelProposer:
                                   block_size=block_size, num_slots=self.max_num_seqs * num_speculative_tokens,
                                   max_num_tokens=engine.scheduler.max_num_batched_tokens)
         self.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens
-        self.generator = torch.Generator(device=self.runner.device).manual_seed(_draft_seed(engine.seed))
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(draft_seed(engine.seed))
         self._states: dict[str, _DraftState] = {}
 
     # -- the Proposer protocol ----------------------------------------------------------------------------------
@@ -200,7 +193,7 @@ class DraftModelProposer:
                 state = _DraftState(request)
                 if request.params.seed is not None:
                     state.generator = torch.Generator(device=self.runner.device).manual_seed(
-                        _draft_seed(request.params.seed))
+                        draft_seed(request.params.seed))
             if not self._allocate(request, n_tokens + n - 1, asked):
                 if request.request_id not in self._states:
                     self.cache.free(request, save_state=False)
@@ -282,7 +275,7 @@ class DraftModelProposer:
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
             params = [rows[active[a]].state.request.params for a in sampled]
-            q = self._distribution(logits.index_select(0, idx), params)
+            q = draft_distribution(logits.index_select(0, idx), params)
             gens = [rows[active[a]].state.generator or self.generator for a in sampled]
             # One row at a time: each row's draw depends only on its own generator (reproducible per seed).
             for a, row_q, gen in zip(sampled, q, gens, strict=True):
@@ -290,16 +283,3 @@ class DraftModelProposer:
                 probs[active[a]].append(row_q.float().cpu())
         for a, i in enumerate(active):
             drafts[i].append(tokens[a])
-
-    @staticmethod
-    def _distribution(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
-        """q = softmax of the tempered logits, filtered by each row's top_k / top_p / min_p."""
-        device = logits.device
-        logits = sampling_ops.apply_temperature(
-            logits.float(), torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device))
-        if any(0 < p.top_k < logits.shape[1] or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            logits = sampling_ops.apply_top_k_top_p_min_p(
-                logits, torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
-        return logits.softmax(dim=-1)

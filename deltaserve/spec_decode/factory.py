@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import deltaserve.default_model
 from deltaserve.config import EngineConfig, SpeculativeConfig
+from deltaserve.config.speculative import BLOCK_DRAFTERS
+from deltaserve.spec_decode.dspark import BlockDraftProposer
 from deltaserve.spec_decode.ngram import NgramProposer
 from deltaserve.spec_decode.proposer import Proposer
 
@@ -27,4 +29,6 @@ def make_proposer(spec: SpeculativeConfig, engine: EngineConfig) -> Proposer:
         proposer: Proposer = DraftModelProposer(model=str(model), num_speculative_tokens=spec.num_speculative_tokens,
                                                 draft_sample_method=spec.draft_sample_method, engine=engine)
         return proposer
+    if spec.method in BLOCK_DRAFTERS:
+        return BlockDraftProposer(model=spec.model, num_speculative_tokens=spec.num_speculative_tokens, engine=engine)
     raise ValueError(f"speculative_config.method {spec.method!r} has no proposer")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from deltaserve.request import Request
+from deltaserve.scheduler.output import BlockDraft
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +22,11 @@ class Proposal:
     probs: torch.Tensor | None = None
     """``[len(token_ids), vocab]`` fp32 CPU: the distribution each token was drawn from (rejection sampling accepts
     token j with probability min(1, p/q)). None: the tokens are deterministic (n-gram lookup, greedy drafts), verified
-    by sampling the target as plain decoding would and accepting while it agrees."""
+    by sampling the target as plain decoding would and accepting while it agrees (a block drafter's sampled drafts:
+    their distributions stay on the workers, which verify against them)."""
+    confidences: tuple[float, ...] | None = None
+    """Per token, the proposer's probability that it is right (a block drafter's; None: unknown). Adaptive
+    verification weighs them."""
 
 
 class Proposer(Protocol):
@@ -50,4 +55,14 @@ class Proposer(Protocol):
 
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted: drop what the proposer keeps for it (unknown ids are ignored)."""
+        ...
+
+
+@runtime_checkable
+class WorkerDraftedProposer(Proposer, Protocol):
+    """A proposer whose drafts are made on the workers after each step (a block drafter): the engine hands it every
+    step's `RunnerOutput.drafts`."""
+
+    def receive(self, drafts: Mapping[str, BlockDraft]) -> None:
+        """The drafts a step made, by request id (they replace the requests' earlier ones)."""
         ...

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
 import torch
 
-from deltaserve.ops.sampling import apply_penalties, apply_top_k_top_p_min_p, token_counts
-from deltaserve.runner.sampler import SamplingRow, TokenBitmask, sample
+from deltaserve.ops.sampling import apply_penalties, apply_top_k_top_p_min_p, random_sample, token_counts
+from deltaserve.runner.sampler import SamplingRow, TokenBitmask, sample, sampling_probs
 from deltaserve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -329,3 +330,35 @@ def test_bad_words_ban_only_the_completing_token():
             make_row(temperature=0.0, output=[7, 4], bad_words_token_ids=[[4, 2]]),
             make_row(temperature=0.0, output=[4, 7], bad_words_token_ids=[[4, 2], [9, 9, 2]])]
     assert sample(logits, rows).token_ids == [0, 0, 2]
+
+
+def test_sampling_probs_are_what_sample_draws_from():
+    """`sampling_probs` gives each row the distribution `sample` draws from, after every mask and processor: a
+    seeded row's token is the exponential race over it with the same generator, a greedy row's is one-hot at
+    `sample`'s argmax, a hand-computed row matches, and masked tokens have probability 0."""
+    logits = torch.tensor([BASE_ROW] * 6)
+    rows = [
+        make_row(prompt=[0, 1], output=[2, 2, 3], temperature=0.5, repetition_penalty=2.0, presence_penalty=0.5,
+                 frequency_penalty=0.25),  # the hand-computed PENALISED_0, at temperature 0.5
+        make_row(output=[1], stop=[2, 5], temperature=0.7, min_tokens=3, top_k=3, logit_bias=((4, 1.5),)),
+        make_row(output=[4], temperature=1.3, allowed_token_ids=(0, 1, 2, 4), bad_words_token_ids=[[4, 1]],
+                 top_p=0.8, min_p=0.05),
+        make_row(temperature=0.9),  # constrained by the grammar below
+        make_row(output=[2], temperature=0.0, presence_penalty=2.0),  # greedy: 2 falls to 1.0, below 0's 2.0
+        make_row(temperature=0.0, bad_words_token_ids=[[2]], logit_bias=((5, 1.0),)),  # greedy: 5 at 2.25
+    ]
+    bitmask = TokenBitmask(row_indices=[3], bitmask=torch.tensor([[0b110011]], dtype=torch.int32))
+    probs = sampling_probs(logits, rows, bitmask)
+    assert probs.shape == (6, 6) and torch.allclose(probs.sum(dim=-1), torch.ones(6))
+    assert torch.allclose(probs[0], torch.softmax(torch.tensor(PENALISED_0) / 0.5, dim=-1))
+    assert probs[1, [2, 5]].tolist() == [0.0, 0.0] and int((probs[1] > 0).sum()) == 3  # min_tokens, then top-k 3
+    assert probs[2, [1, 3, 5]].tolist() == [0.0, 0.0, 0.0]  # outside allowed ids; 1 completes a bad word
+    assert probs[3, [2, 3]].tolist() == [0.0, 0.0] and bool((probs[3, [0, 1, 4, 5]] > 0).all())
+    assert probs[4].tolist() == [1.0, 0, 0, 0, 0, 0] and probs[5].tolist() == [0, 0, 0, 0, 0, 1.0]
+    for seed in range(20):
+        gens = [seeded(seed + k) for k in range(4)] + [None, None]
+        replay = [seeded(seed + k) for k in range(4)]
+        tokens = sample(logits, [dataclasses.replace(r, generator=g) for r, g in zip(rows, gens, strict=True)],
+                        bitmask).token_ids
+        assert tokens[:4] == [int(random_sample(probs[k:k + 1], [replay[k]])[0]) for k in range(4)]
+        assert tokens[4:] == [0, 5]

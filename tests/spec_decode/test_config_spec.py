@@ -43,13 +43,23 @@ def test_draft_model_defaults():
     assert (c.model, c.draft_sample_method) == ("/ckpt", "greedy")
 
 
+def test_dspark_defaults():
+    c = SpeculativeConfig.from_json({"method": "dspark", "num_speculative_tokens": 7})
+    assert (c.model, c.draft_sample_method, c.rejection_sample_method, c.enable_adaptive_verification) == (
+        None, "probabilistic", "standard", True)
+    c = SpeculativeConfig.from_json('{"method": "dflash", "num_speculative_tokens": 3, '
+                                    '"rejection_sample_method": "block", "enable_adaptive_verification": false}')
+    assert (c.method, c.rejection_sample_method, c.enable_adaptive_verification) == ("dflash", "block", False)
+
+
 @pytest.mark.parametrize("value, message", [
     ("{", "speculative_config is not valid JSON"),
     ("[1]", "speculative_config must be a JSON object"),
     ({**NGRAM, "speculative_token_tree": "x"}, "speculative_config has unknown field(s) 'speculative_token_tree'"),
     ({"num_speculative_tokens": 3}, "speculative_config.method is required"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens is required"),
-    ({**NGRAM, "method": "draft"}, "speculative_config.method must be one of 'ngram', 'draft_model', got 'draft'"),
+    ({**NGRAM, "method": "draft"}, "speculative_config.method must be one of 'ngram', 'draft_model', 'dspark', 'dflash', "
+                                    "got 'draft'"),
     ({**NGRAM, "method": 1}, "speculative_config.method must be a string, got 1"),
     ({**NGRAM, "num_speculative_tokens": 0},
      "speculative_config.num_speculative_tokens must be an integer in 1..16, got 0"),
@@ -71,6 +81,12 @@ def test_draft_model_defaults():
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": 3}, "speculative_config.model must be a string"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "draft_sample_method": "random"},
      "speculative_config.draft_sample_method must be 'greedy' or 'probabilistic', got 'random'"),
+    ({"method": "dspark", "num_speculative_tokens": 7, "rejection_sample_method": "joint"},
+     "speculative_config.rejection_sample_method must be 'standard' or 'block', got 'joint'"),
+    ({**NGRAM, "rejection_sample_method": "block"},
+     "speculative_config.rejection_sample_method does not apply to method 'ngram'"),
+    ({"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": "yes"},
+     "speculative_config.enable_adaptive_verification must be true or false, got 'yes'"),
 ])
 def test_bad_configs_are_one_line_errors_naming_the_field(value, message):
     with pytest.raises(ValueError) as info:

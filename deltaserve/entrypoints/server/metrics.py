@@ -168,6 +168,13 @@ def _spec_decode_counters(s: Any, labels: list[str]):  # noqa: ANN202 - yields m
         ("spec_decode_num_drafts", "Request-steps that verified proposed tokens.", s.spec_num_drafts),
         ("spec_decode_num_draft_tokens", "Proposed tokens verified.", s.spec_num_draft_tokens),
         ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", s.spec_num_accepted_tokens),
+        ("spec_decode_adaptive_steps", "Steps adaptive verification decided.", s.spec_adaptive_steps),
+        ("spec_decode_adaptive_offered_positions", "Draft positions offered to adaptive verification.",
+         s.spec_adaptive_offered_positions),
+        ("spec_decode_adaptive_verified_positions", "Draft positions adaptive verification kept.",
+         s.spec_adaptive_verified_positions),
+        ("spec_decode_adaptive_draft_off_steps", "Steps after which adaptive verification turned drafting off.",
+         s.spec_adaptive_draft_off_steps),
     ):
         c = CounterMetricFamily(f"deltaserve:{name}", doc, labels=["model_name"])
         c.add_metric(labels, value)

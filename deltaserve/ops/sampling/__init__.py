@@ -13,6 +13,7 @@ apply_temperature = dispatch.op("apply_temperature", ref.apply_temperature)
 apply_top_k_top_p_min_p = dispatch.op("apply_top_k_top_p_min_p", ref.apply_top_k_top_p_min_p)
 random_sample = dispatch.op("random_sample", ref.random_sample)
 rejection_sample = dispatch.op("rejection_sample", ref.rejection_sample)
+block_rejection_sample = dispatch.op("block_rejection_sample", ref.block_rejection_sample)
 compute_logprobs = dispatch.op("compute_logprobs", ref.compute_logprobs)
 gather_logprobs = dispatch.op("gather_logprobs", ref.gather_logprobs)
 
@@ -21,6 +22,7 @@ __all__ = [
     "apply_temperature",
     "apply_token_bitmask",
     "apply_top_k_top_p_min_p",
+    "block_rejection_sample",
     "compute_logprobs",
     "gather_logprobs",
     "random_sample",

@@ -1,7 +1,8 @@
-"""Reference token-sampling ops: penalties, temperature, top-k/top-p/min-p masks, exponential-race sampling, logprobs.
+"""Reference token-sampling ops: penalties, temperature, top-k/top-p/min-p masks, exponential-race sampling, token-wise
+and block verification of speculative drafts, logprobs.
 
 Pure PyTorch on ``[N, V]`` logits (row i = one sequence); every function is out of place and batched over rows,
-except the per-row generator draws in :func:`random_sample`.
+except the per-row generator draws in :func:`random_sample` and :func:`block_rejection_sample` (one request's block).
 """
 
 from __future__ import annotations
@@ -212,6 +213,82 @@ def rejection_sample(probs: Tensor, draft_probs: Tensor, draft_token_ids: Tensor
     # p == q up to rounding leaves no residual mass: such a row accepts with probability ~1; sample p if it did not.
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
     return torch.where(accept, x.squeeze(1), random_sample(residual, generators))
+
+
+def block_rejection_sample(target_probs: Tensor, draft_probs: Tensor, draft_token_ids: Tensor,
+                           generator: torch.Generator | None) -> tuple[int, int]:
+    """Block verification (Sun et al. 2024, "Block Verification Accelerates Speculative Decoding", Algorithm 2) of
+    one request's n draft tokens: the block is accepted jointly rather than token by token.
+
+    With ``P_j = target_probs[j - 1]`` (the target given the context and ``d_1..d_{j-1}``) and ``Q_j =
+    draft_probs[j - 1]`` (the distribution ``d_j`` was drawn from; it may depend on the drafts before it or not):
+    ``a_0 = 1``, ``a_i = min(a_{i-1} P_i(d_i) / Q_i(d_i), 1)``; the residual after i accepted drafts is ``r_i =
+    max(a_i P_{i+1} - Q_{i+1}, 0)`` with mass ``R_i``; the weights are ``h_i = R_i / (R_i + 1 - a_i)`` for i < n
+    (0 where that is 0 / 0) and ``h_n = a_n``. With ``eta_1..eta_n ~ U(0, 1)``, ``tau = max {i : eta_i < h_i}``
+    (0 if none): the first tau drafts are accepted, and the token after them is drawn from ``P_{n+1}`` if tau == n,
+    else from ``r_tau`` renormalised (``P_{tau+1}`` itself where ``r_tau`` has no mass, as `rejection_sample`
+    does). (The paper walks i from n down and stops at the first pass: the same tau in distribution.)
+
+    Guarantee: ``P(tau >= i | d_1..d_i) = a_i`` and, for i < n, ``P(tau == i | d_1..d_i) = R_i``, so the drafts
+    accepted, the token after them and target sampling after that are distributed exactly as sampling from the
+    target, whatever the drafts' distributions. The paper proves the expected tau optimal among such lossless
+    verifiers, so never below token-wise `rejection_sample` (which this equals for n == 1). A draft with
+    ``Q_i(d_i) == 0`` passes through ``a_i`` without a division (``a_i = 1`` if ``a_{i-1} P_i(d_i) > 0``, else 0).
+
+    Args:
+        target_probs: ``[n + 1, V]`` the target's final sampling distributions at positions 0..n (after every logits
+            processor; rows sum to 1); not modified.
+        draft_probs: ``[n, V]`` the distributions the drafts were drawn from (any device; moved to the target's).
+        draft_token_ids: ``[n]`` int, the drafts. n == 0 samples ``target_probs[0]``.
+        generator: the request's generator on ``target_probs.device``, or None (torch's default one of that
+            device). It advances by one draw of n uniforms (none if n == 0), then one [V] exponential race
+            (`random_sample`), all in float64; the computation is in float64 too.
+
+    Returns:
+        ``(tau, token_id)``: the number of drafts accepted, in 0..n, and the token that follows them.
+    """
+    num_drafts = draft_token_ids.numel()
+    if (target_probs.ndim != 2 or target_probs.shape[0] != num_drafts + 1 or draft_token_ids.shape != (num_drafts,)
+            or draft_probs.shape != (num_drafts, target_probs.shape[1])):
+        raise ValueError(f"block_rejection_sample: target_probs {tuple(target_probs.shape)}, draft_probs "
+                         f"{tuple(draft_probs.shape)} and draft_token_ids {tuple(draft_token_ids.shape)} disagree")
+    weights, final = _block_verification(target_probs, draft_probs, draft_token_ids)
+    device = target_probs.device
+    tau = torch.zeros((), dtype=torch.long, device=device)
+    if num_drafts:
+        eta = torch.rand(num_drafts, dtype=torch.float64, device=device, generator=generator)
+        lengths = torch.arange(1, num_drafts + 1, device=device)  # [n]
+        tau = torch.where(eta < weights, lengths, 0).amax()
+    token = random_sample(final.index_select(0, tau.view(1)), [generator])  # [1]
+    accepted, token_id = torch.stack((tau, token[0])).tolist()  # the one host sync
+    return accepted, token_id
+
+
+def _block_verification(target_probs: Tensor, draft_probs: Tensor, draft_token_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """`block_rejection_sample`'s decision, in float64 on the target's device: ``(weights [n], final [n + 1, V])``
+    with ``weights[i - 1] = h_i`` and ``final[i]`` the unnormalised distribution of the token after i accepted
+    drafts (the residual ``r_i``, or ``P_{i+1}`` where it has no mass; ``final[n] = P_{n+1}``)."""
+    p = target_probs.to(torch.float64)  # [n + 1, V]
+    q = draft_probs.to(device=p.device, dtype=torch.float64)  # [n, V]
+    num_drafts = q.shape[0]
+    x = draft_token_ids.to(device=p.device, dtype=torch.long)[:, None]
+    p_x, q_x = p[:num_drafts].gather(1, x).squeeze(1), q.gather(1, x).squeeze(1)  # [n] each
+    survival = [torch.ones((), dtype=torch.float64, device=p.device)]  # a_0..a_n
+    for i in range(num_drafts):
+        kept = survival[-1] * p_x[i]
+        # kept >= q_x covers q_x == 0 < kept (a draft the draft "could not" draw); kept == 0 rejects it outright.
+        ratio = torch.where(kept >= q_x[i], 1.0, kept / q_x[i].clamp_min(torch.finfo(torch.float64).tiny))
+        survival.append(torch.where(kept > 0, ratio, 0.0))
+    a = torch.stack(survival)  # [n + 1]
+    residual = (a[:num_drafts, None] * p[:num_drafts] - q).clamp_min(0)  # [n, V]: r_0..r_{n-1}
+    mass = residual.sum(dim=-1)  # [n]
+    final = torch.cat((torch.where(mass[:, None] > 0, residual, p[:num_drafts]), p[num_drafts:]))
+    if num_drafts == 0:
+        return a[:0], final
+    # R_i + 1 - a_i == 0 only where a_i == 1 and R_i == 0: then tau == i has probability 0 whatever h_i is.
+    denominator = mass[1:] + (1 - a[1:num_drafts])  # [n - 1]
+    inner = torch.where(denominator > 0, mass[1:] / denominator.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    return torch.cat((inner, a[num_drafts:])), final
 
 
 def compute_logprobs(logits: Tensor) -> Tensor:

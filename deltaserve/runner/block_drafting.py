@@ -1,0 +1,180 @@
+"""`BlockDrafting`: the block drafter's side of a worker step (speculative method `dspark`).
+
+After the target's forward, every chunk's tapped features (`FeatureTaps`) at the positions it committed (a prefill
+chunk's tokens; a verification's tokens up to its last accepted draft, never a rejected one) go into its request's
+context window: the last `context_window` positions, kept contiguous (a chunk that does not continue the window,
+such as a recompute after preemption or a prompt starting after a prefix-cache hit, starts it afresh). After
+sampling, one batched drafter forward proposes the next block of every sampled request from its window and its
+last sampled token: the drafts go back to the engine (`RunnerOutput.drafts`) with their confidences, and the
+distributions sampled drafts were drawn from stay here, to verify them in the next step (`with_kept_probs`).
+
+Draft sampling: greedy requests, or every request with `draft_sample_method="greedy"`, get the drafter's argmax at
+each row; otherwise row j is drawn from q_j = the drafter's distribution with the request's temperature and top-k /
+top-p / min-p, by the request's own draft generator (seeded requests) or the runner's. The rows of a block are
+drawn independently (q_j does not depend on the drafts before it), which rejection sampling accepts as any
+proposal distribution. Confidence of a draft: its probability under the drafter (q_j, or the untempered softmax for
+argmax drafts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.models.dspark import DSparkDrafter, draft_logits
+from deltaserve.models.protocol import Model
+from deltaserve.ops import sampling as sampling_ops
+from deltaserve.runner.draft_distribution import draft_distribution, draft_seed
+from deltaserve.runner.feature_taps import FeatureTaps
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.scheduler.output import BlockDraft, SampledToken, ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Where each chunk's rows lie in the last forward's flattened batch."""
+
+    cu_seqlens: Sequence[int]
+    """Sequence row r spans [cu_seqlens[r], cu_seqlens[r + 1])."""
+    row_of_chunk: Sequence[int]
+    """Chunk index (in scheduled order) -> its sequence row."""
+
+
+@dataclass(slots=True)
+class _Kept:
+    """The last drafts of a request, with the distributions they were drawn from (None: argmax drafts)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _Context:
+    """One request's window of target features."""
+
+    features: torch.Tensor
+    """``[W, F]`` newest last; the last `num_valid` rows are real."""
+    num_valid: int = 0
+    next_position: int = 0
+    """The position whose features would extend the window."""
+    generator: torch.Generator | None = None
+    kept: _Kept | None = None
+
+
+class BlockDrafting:
+    """Per-request feature windows and the drafter's forward, inside a `ModelRunner`."""
+
+    def __init__(self, drafter: DSparkDrafter, model: Model, *, sample_method: str, seed: int) -> None:
+        self.drafter, self.model, self.sample_method = drafter, model, sample_method
+        cfg = drafter.config
+        self.window, self.block_size, self.feature_size = cfg.context_window, cfg.block_size, cfg.feature_size
+        self.taps = FeatureTaps(model, cfg.tap_layers)
+        self.device = next(model.parameters()).device
+        self.dtype = next(drafter.parameters()).dtype
+        self.generator = torch.Generator(device=self.device).manual_seed(draft_seed(seed))
+        self._contexts: dict[str, _Context] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's window and drafts (unknown ids are ignored)."""
+        self._contexts.pop(request_id, None)
+
+    def with_kept_probs(self, out: SchedulerOutput) -> SchedulerOutput:
+        """`out` with the kept draft distributions of the chunks that verify exactly the drafts this runner made
+        (a prefix of them: the engine may offer fewer). Other proposals are verified as deterministic tokens, which
+        is lossless for any proposal, only less likely to accept."""
+        probs = {}
+        for c in out.chunks:
+            ctx = self._contexts.get(c.request_id)
+            kept = None if ctx is None else ctx.kept
+            m = c.num_proposed
+            if (not m or kept is None or kept.probs is None or c.request_id in out.draft_probs
+                    or c.num_computed_tokens + len(c.new_token_ids) - m != kept.num_tokens
+                    or c.new_token_ids[-m:] != kept.token_ids[:m]):
+                continue
+            probs[c.request_id] = kept.probs[:m]
+        return dataclasses.replace(out, draft_probs={**out.draft_probs, **probs}) if probs else out
+
+    @torch.inference_mode()
+    def after_step(self, chunks: Sequence[ScheduledChunk], sampled: Mapping[str, list[SampledToken]],
+                   layout: StepLayout, params: Mapping[str, SamplingParams], *, propose: bool
+                   ) -> dict[str, BlockDraft]:
+        """Fold the step's committed features into the windows; then (when `propose`) draft for every sampled
+        request. `params`: each sampled request's sampling settings."""
+        taps = self.taps.take()
+        for i, c in enumerate(chunks):
+            tokens = sampled.get(c.request_id)
+            accepted = len(tokens) - 1 if tokens and c.num_proposed else 0
+            committed = len(c.new_token_ids) - c.num_proposed + accepted
+            start = layout.cu_seqlens[layout.row_of_chunk[i]]
+            self._extend(c.request_id, c.num_computed_tokens, taps[start:start + committed])
+        for c in chunks:  # their kept drafts were verified (or dropped) by this step
+            self._contexts[c.request_id].kept = None
+        rows = [(c.request_id, c.num_computed_tokens + len(c.new_token_ids) - c.num_proposed
+                 + len(sampled[c.request_id])) for c in chunks if sampled.get(c.request_id)]
+        if not propose or not rows:
+            return {}
+        return self._draft(rows, sampled, params)
+
+    def _extend(self, request_id: str, position: int, rows: torch.Tensor) -> None:
+        ctx = self._contexts.get(request_id)
+        if ctx is None:
+            ctx = self._contexts[request_id] = _Context(
+                torch.zeros(self.window, self.feature_size, dtype=self.dtype, device=self.device))
+        if position != ctx.next_position:  # not a continuation: a recompute, or a prompt after a cache hit
+            ctx.num_valid = 0
+        n = min(rows.shape[0], self.window)
+        if n:
+            ctx.features = torch.cat([ctx.features[n:], rows[-n:].to(self.dtype)])
+            ctx.num_valid = min(self.window, ctx.num_valid + n)
+        ctx.next_position = position + rows.shape[0]
+
+    def _draft(self, rows: Sequence[tuple[str, int]], sampled: Mapping[str, list[SampledToken]],
+               params: Mapping[str, SamplingParams]) -> dict[str, BlockDraft]:
+        contexts = [self._contexts[rid] for rid, _ in rows]
+        features = torch.stack([c.features for c in contexts])
+        valid = torch.arange(self.window, device=self.device)[None, :] >= torch.tensor(
+            [self.window - c.num_valid for c in contexts], device=self.device)[:, None]
+        first = torch.tensor([sampled[rid][-1].token_id for rid, _ in rows], device=self.device)
+        model = self.model
+        logits = draft_logits(self.drafter, features, valid, first, model.embed, model.compute_logits)  # [B, k, V]
+        out = {}
+        for b, ((rid, num_tokens), ctx) in enumerate(zip(rows, contexts, strict=True)):
+            p = params[rid]
+            if p.greedy or self.sample_method == "greedy":
+                conf, tokens = logits[b].softmax(dim=-1).max(dim=-1)
+                probs = None
+            else:
+                if p.seed is not None and ctx.generator is None:
+                    ctx.generator = torch.Generator(device=self.device).manual_seed(draft_seed(p.seed))
+                probs = draft_distribution(logits[b], [p] * self.block_size)
+                gen = ctx.generator or self.generator
+                tokens = sampling_ops.random_sample(probs, [gen] * self.block_size)
+                conf = probs.gather(1, tokens[:, None]).squeeze(1)
+            ids = tokens.tolist()
+            ctx.kept = _Kept(ids, probs, num_tokens)
+            out[rid] = BlockDraft(tuple(ids), tuple(conf.tolist()), num_tokens)
+        return out
+
+    @torch.inference_mode()
+    def time_draft(self, num_seqs: int) -> float:
+        """Seconds of one drafter forward (and LM head) for `num_seqs` requests with full windows (the adaptive
+        verifier's cost model, measured at start-up)."""
+        features = torch.zeros(num_seqs, self.window, self.feature_size, dtype=self.dtype, device=self.device)
+        valid = torch.ones(num_seqs, self.window, dtype=torch.bool, device=self.device)
+        first = torch.zeros(num_seqs, dtype=torch.long, device=self.device)
+        start = time.perf_counter()
+        logits = draft_logits(self.drafter, features, valid, first, self.model.embed, self.model.compute_logits)
+        logits.argmax(dim=-1).tolist()  # waits for the device
+        return time.perf_counter() - start
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Memory one request holds here: its feature window and its kept draft distributions."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        vocab = self.drafter.config.vocab_size
+        return self.window * self.feature_size * elem + self.block_size * vocab * 4

@@ -1,0 +1,247 @@
+"""`AdaptiveVerifier`: a load-aware policy choosing how many draft positions each request verifies per step (and
+whether to draft at all) to maximise expected tokens per second under a `StepCostModel`; lossless by construction,
+since it only shortens the proposals offered to verification."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from deltaserve.spec_decode.cost_model import StepCostModel
+
+
+@dataclass(slots=True)
+class AdaptiveStats:
+    """Counters since the verifier was built (each a Prometheus counter, except `last_total`, a gauge)."""
+
+    num_steps: int = 0
+    """Steps decided: `choose` calls with at least one request."""
+    num_offered_positions: int = 0
+    """Draft positions the drafter offered to `choose` (the sum of the confidence list lengths)."""
+    num_verified_positions: int = 0
+    """Draft positions `choose` kept for verification (the sum of its answers)."""
+    num_draft_off_steps: int = 0
+    """`should_draft` calls that answered False: steps whose drafter forward was skipped."""
+    last_total: int = 0
+    """Draft positions verified in all by the latest `choose` (a gauge)."""
+
+
+def scan_totals(
+    gains: npt.ArrayLike, step_seconds: npt.ArrayLike, *, base_tokens: float
+) -> tuple[int, float]:
+    """The best number M of draft positions to verify, and its expected rate (tokens per second).
+
+    Verifying the first M of `gains` (marginal expected accepted tokens, sorted non-increasing) yields ``(base_tokens
+    + sum(gains[:M])) / step_seconds[M]`` (`step_seconds`: one more entry than `gains`, all > 0); the smallest
+    maximising M in ``0..len(gains)`` wins. Gains <= 0 are never taken: such a position cannot be accepted.
+    """
+    gain = np.asarray(gains, dtype=np.float64)
+    seconds = np.asarray(step_seconds, dtype=np.float64)
+    if seconds.shape != (gain.size + 1,):
+        raise ValueError(f"step_seconds: {seconds.shape} for {gain.size} gains (needs one more)")
+    usable = int(np.count_nonzero(gain > 0.0))  # sorted non-increasing: the positive ones come first
+    tokens = base_tokens + np.concatenate(([0.0], np.cumsum(gain[:usable])))
+    rates = tokens / seconds[:usable + 1]
+    best = int(np.argmax(rates))  # the first maximum: the smallest M
+    return best, float(rates[best])
+
+
+def _clamp01(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """`values` clamped to [0, 1]; NaN reads as 0 (no confidence)."""
+    return np.where(values >= 0.0, np.minimum(values, 1.0), 0.0)
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    """Exponential moving average; the first observation starts it (no bias towards an arbitrary prior)."""
+    return new if old is None else (1.0 - weight) * old + weight * new
+
+
+def _check_other_rows(num_other_seqs: int, num_other_tokens: int) -> None:
+    """Rows that are not speculating: ``0 <= num_other_seqs <= num_other_tokens``, and no tokens without rows."""
+    if num_other_seqs < 0 or num_other_tokens < num_other_seqs or (num_other_seqs == 0 and num_other_tokens != 0):
+        raise ValueError(f"num_other_tokens={num_other_tokens} must be >= num_other_seqs={num_other_seqs} >= 0 "
+                         f"(and 0 without other rows)")
+
+
+def _carry_forward(values: Sequence[float | None]) -> list[float] | None:
+    """Each None replaced by the nearest earlier value (positions never reached borrow the last one seen); None when
+    position 0 has no value (then nothing has been observed: reaching position j needs positions < j accepted)."""
+    if not values or values[0] is None:
+        return None
+    out: list[float] = []
+    for v in values:
+        out.append(out[-1] if v is None else v)
+    return out
+
+
+class AdaptiveVerifier:
+    """Chooses m_r, the draft positions request r verifies this step, maximising expected tokens per second.
+
+    A step of B sequences (the speculating ones plus `num_other_seqs`) and Q = B_spec + sum m_r + `num_other_tokens`
+    query tokens takes ``cost_model.predict(B, Q, ctx) + cost_model.predict_draft(B_spec)`` seconds and yields
+    ``B + sum_r E_r(m_r)`` tokens, where ``E_r(m) = sum_{j<m} prod_{i<=j} c_ri`` (each row counts one unit of
+    progress; speculating rows add their expected accepted drafts). For a fixed total M = sum m_r the best split takes
+    the M largest marginal gains ``prod_{i<=j} c_ri`` (they decrease in j, so each request gets a prefix: exact, by
+    concavity), and M is scanned over 0..sum n_r. `ctx` is the mean context length of the speculating requests,
+    rounded.
+
+    Calibration: the drafter's confidences are scaled, per position j, by ``ema(accepted / offered) / ema(mean
+    confidence offered)`` observed in real steps (`observe`), then clamped to [0, 1]. "Offered at j" counts requests
+    that verified position j *and* had every earlier draft accepted: a draft after a rejection is never judged.
+    Positions never observed borrow the nearest earlier position's statistics; with none, scales are 1.
+
+    Not thread-safe; one instance per engine core, called once per step.
+    """
+
+    def __init__(self, cost_model: StepCostModel, num_speculative_tokens: int, *, ema: float = 0.1) -> None:
+        """`num_speculative_tokens` (k >= 1): the most drafts per request; `ema` in (0, 1]: the weight of the newest
+        step in the per-position averages."""
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+                or num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 1")
+        if not 0.0 < ema <= 1.0:
+            raise ValueError(f"ema={ema!r} must be in (0, 1]")
+        self.cost_model = cost_model
+        self._k = num_speculative_tokens
+        self._weight = float(ema)
+        self._accept_ema: list[float | None] = [None] * num_speculative_tokens
+        self._conf_ema: list[float | None] = [None] * num_speculative_tokens
+        self.stats = AdaptiveStats()
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k: the most draft positions per request."""
+        return self._k
+
+    @property
+    def acceptance_rates(self) -> tuple[float | None, ...]:
+        """Per position j: the EMA of P(draft j accepted | drafts < j accepted) seen in real steps (None: not yet)."""
+        return tuple(self._accept_ema)
+
+    @property
+    def calibration_scales(self) -> tuple[float, ...]:
+        """Per position j: the factor applied to the drafter's confidence (1.0 before any observation, and where the
+        mean confidence offered is 0, which gives no ratio)."""
+        rates, confs = _carry_forward(self._accept_ema), _carry_forward(self._conf_ema)
+        if rates is None or confs is None:
+            return (1.0,) * self._k
+        return tuple(r / c if c > 0.0 else 1.0 for r, c in zip(rates, confs, strict=True))
+
+    def calibrate(self, confidences: Sequence[float]) -> list[float]:
+        """One request's drafter confidences (at most k), clamped to [0, 1], scaled per position, clamped again."""
+        raw, _ = self._padded([confidences])
+        return self._calibrated(raw)[0, :len(confidences)].tolist()
+
+    def _padded(self, confidences: Sequence[Sequence[float]]) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
+        """The raw confidences clamped to [0, 1] as a ``[R, k]`` array, 0 past each request's drafts, and the
+        ``[R, k]`` mask of the real ones."""
+        lengths = np.fromiter((len(c) for c in confidences), dtype=np.int64, count=len(confidences))
+        if lengths.size and lengths.max() > self._k:
+            raise ValueError(f"{lengths.max()} confidences for num_speculative_tokens={self._k}")
+        mask = np.arange(self._k) < lengths[:, None]  # [R, k]
+        raw = np.zeros((len(confidences), self._k))
+        raw[mask] = np.fromiter(itertools.chain.from_iterable(confidences), dtype=np.float64, count=int(lengths.sum()))
+        return _clamp01(raw), mask
+
+    def _calibrated(self, raw: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """``[R, k]`` clamped confidences scaled per position and clamped again."""
+        return _clamp01(raw * np.asarray(self.calibration_scales, dtype=np.float64))
+
+    def choose(
+        self,
+        confidences: Sequence[Sequence[float]],
+        context_lens: Sequence[int],
+        *,
+        num_other_seqs: int = 0,
+        num_other_tokens: int = 0,
+        drafting: bool = True,
+    ) -> list[int]:
+        """m_r for each decoding request r, with ``0 <= m_r <= len(confidences[r])``: verify its first m_r drafts.
+
+        Args:
+            confidences: per decoding request, the drafter's confidence of each draft (at most k; empty: no drafts).
+            context_lens: per decoding request, its context length in tokens.
+            num_other_seqs: rows in the step that are not speculating (prefill chunks, plain decodes).
+            num_other_tokens: their query tokens in all (>= num_other_seqs; 0 without such rows).
+            drafting: whether the drafter runs in this step (the `should_draft` answer for it): its time counts.
+        """
+        num_spec = len(confidences)
+        if len(context_lens) != num_spec:
+            raise ValueError(f"{len(context_lens)} context_lens for {num_spec} requests")
+        _check_other_rows(num_other_seqs, num_other_tokens)
+        if num_spec == 0:
+            return []
+        raw, mask = self._padded(confidences)
+        gains = np.cumprod(self._calibrated(raw), axis=1)[mask]  # marginal gain of each real draft, request-major
+        requests, positions = np.nonzero(mask)
+        # Best first; ties: earlier positions first (keeps prefixes), then spread across requests.
+        order = np.lexsort((requests, positions, -gains))
+        num_seqs = num_spec + num_other_seqs
+        curve = self.cost_model.cost_curve(num_seqs, round(sum(context_lens) / num_spec))
+        overhead = self.cost_model.predict_draft(num_spec) if drafting else 0.0
+        base_query_tokens = num_spec + num_other_tokens
+        seconds = curve.many(base_query_tokens + np.arange(gains.size + 1)) + overhead
+        total, _ = scan_totals(gains[order], seconds, base_tokens=num_seqs)
+        chosen = np.bincount(requests[order[:total]], minlength=num_spec).tolist()
+        self.stats.num_steps += 1
+        self.stats.num_offered_positions += int(gains.size)
+        self.stats.num_verified_positions += total
+        self.stats.last_total = total
+        return chosen
+
+    def should_draft(self, num_seqs: int, context_len: int, *, num_other_seqs: int = 0,
+                     num_other_tokens: int = 0) -> bool:
+        """Whether drafting for the next step of `num_seqs` decoding requests at `context_len` can beat plain decoding.
+
+        Compares the best expected rate with drafting (every request drafting k positions with the observed
+        `acceptance_rates` as confidences, the drafter's time included) against ``B / predict(B, B, ctx)``. True before
+        any observation (the rates must be learnt); False for no requests. Call it every step, also while off: the
+        rates stay as last seen, and a smaller load brings drafting back.
+        """
+        _check_other_rows(num_other_seqs, num_other_tokens)
+        if num_seqs <= 0:
+            return False
+        rates = _carry_forward(self._accept_ema)
+        if rates is None:
+            return True
+        # Every request's position j before any position j + 1 (all requests alike).
+        gains = np.repeat(np.cumprod(_clamp01(np.asarray(rates, dtype=np.float64))), num_seqs)
+        batch = num_seqs + num_other_seqs
+        curve = self.cost_model.cost_curve(batch, context_len)
+        seconds = curve.many(num_seqs + num_other_tokens + np.arange(gains.size + 1))
+        plain_rate = batch / seconds[0]
+        _, best_rate = scan_totals(gains, seconds + self.cost_model.predict_draft(num_seqs), base_tokens=batch)
+        if best_rate > plain_rate:
+            return True
+        self.stats.num_draft_off_steps += 1
+        return False
+
+    def observe(self, offered: Sequence[int], accepted: Sequence[int], confidences: Sequence[Sequence[float]]) -> None:
+        """One verified step: request r verified `offered[r]` drafts (its m_r), of which the first `accepted[r]` were
+        accepted; `confidences[r]` are the drafter's raw confidences it was offered (``offered[r] <= len <= k``)."""
+        if not len(offered) == len(accepted) == len(confidences):
+            raise ValueError(f"lengths differ: offered {len(offered)}, accepted {len(accepted)}, "
+                             f"confidences {len(confidences)}")
+        for r, (num_offered, num_accepted, conf) in enumerate(zip(offered, accepted, confidences, strict=True)):
+            if not 0 <= num_accepted <= num_offered <= len(conf) <= self._k:
+                raise ValueError(f"request {r}: need 0 <= accepted ({num_accepted}) <= offered ({num_offered}) <= "
+                                 f"len(confidences) ({len(conf)}) <= k ({self._k})")
+        if not offered:
+            return
+        raw, _ = self._padded(confidences)
+        position = np.arange(self._k)
+        verified = np.asarray(offered, dtype=np.int64)[:, None]  # [R, 1]
+        kept = np.asarray(accepted, dtype=np.int64)[:, None]  # [R, 1]
+        reached = (verified > position) & (kept >= position)  # [R, k]: verified, every earlier draft kept
+        num_reached = reached.sum(axis=0)
+        num_kept = (kept > position).sum(axis=0)
+        conf_sum = (raw * reached).sum(axis=0)
+        for j in range(self._k):
+            if num_reached[j] == 0:  # nor any later position: reaching j + 1 needs reaching j
+                break
+            self._accept_ema[j] = _ema(self._accept_ema[j], float(num_kept[j] / num_reached[j]), self._weight)
+            self._conf_ema[j] = _ema(self._conf_ema[j], float(conf_sum[j] / num_reached[j]), self._weight)

@@ -1,0 +1,220 @@
+"""The block drafter (speculative method dspark, issue 22): its network, its features, and the engine with it.
+
+The engine tests use a drafter fitted in seconds to the tiny checkpoint's own greedy outputs (`fitted_drafter`), so
+that drafts are often right and the runs cover accepted runs, partial acceptances and rejections; greedy outputs must
+equal plain decoding's under mixed batches, chunked prefill, a prefix hit and preemption (the harness of
+test_spec_identity.py), with adaptive verification on and off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from deltaserve.engine.engine_core import EngineCore
+from deltaserve.models.dspark import DSparkConfig, DSparkDrafter, load_drafter, resolve_drafter_path
+from deltaserve.models.loader import load_model
+from deltaserve.runner.feature_taps import FeatureTaps
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.spec_decode.dspark import BlockDraftProposer
+from deltaserve.spec_decode.dspark_training import (
+    acceptance_length,
+    drafter_loss,
+    sequence_features,
+    training_batch,
+)
+from tests.helpers import prompt_ids
+from tests.spec_decode.test_spec_identity import (
+    Counting,
+    assert_all_free,
+    assert_features_hit,
+    engine_config,
+    plain_run,
+    requests,
+    run,
+)
+
+K = 5
+TAPS = (1, 7)
+FIT_STEPS = 120
+
+
+def small_config(vocab: int, hidden: int, **kw) -> DSparkConfig:
+    return DSparkConfig(vocab_size=vocab, hidden_size=hidden, tap_layers=TAPS, num_layers=1, num_heads=4,
+                        intermediate_size=128, block_size=K, context_window=8, **kw)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a loaded two-core machine the runs take seconds, not minutes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_dir) -> str:
+    return str(tiny_dir("base"))
+
+
+@pytest.fixture(scope="module")
+def fitted_drafter(base, tmp_path_factory) -> str:
+    """A drafter for the base checkpoint fitted (the objective of scripts/train_dspark.py, a few seconds) to the
+    plain greedy run of the identity batch: its drafts are mostly right where its context window is as in training,
+    and wrong elsewhere (windows restarted by chunking, a prefix hit or a recompute), so the runs cover accepted
+    runs, partial acceptances and rejections."""
+    torch.manual_seed(0)
+    plain = plain_run(base, "float32")
+    target = load_model(base)
+    cfg = ModelConfig.from_pretrained(base)
+    dcfg = small_config(cfg.vocab_size, cfg.hidden_size)
+    seqs = sequence_features(target, [(prompt + plain.tokens[rid], len(prompt))
+                                      for rid, (prompt, _) in requests(base).items()], TAPS, dcfg.context_window)
+    batch = training_batch(seqs, [(s, n) for s, seq in enumerate(seqs) for n in seq.anchors()], dcfg)
+    drafter = DSparkDrafter(dcfg).init_for_training()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    embed, head = target.embed_tokens.float(), target.lm_head.float()
+    for _ in range(FIT_STEPS):
+        loss, _, _ = drafter_loss(drafter, batch, embed, head)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    _, correct, _ = drafter_loss(drafter, batch, embed, head)
+    assert acceptance_length(correct) > 2.0, "the fit failed: the engine runs would not cover accepted drafts"
+    out = tmp_path_factory.mktemp("drafter")
+    drafter.save(out)
+    return str(out)
+
+
+# -- the network ------------------------------------------------------------------------------------------------
+
+
+def test_block_rows_see_the_context_and_each_other():
+    """Non-causal block: every drafted row depends on the context and on the known first token; padding rows of the
+    context change nothing."""
+    torch.manual_seed(0)
+    cfg = small_config(50, 32)
+    drafter = DSparkDrafter(cfg).init_for_training().eval()
+    feats = torch.randn(2, cfg.context_window, cfg.feature_size)
+    valid = torch.ones(2, cfg.context_window, dtype=torch.bool)
+    valid[1, :3] = False
+    first = torch.randn(2, 32)
+    out = drafter(feats, valid, first)
+    assert out.shape == (2, K, 32)
+    changed_pad = feats.clone()
+    changed_pad[1, :3] += 5.0
+    assert torch.allclose(drafter(changed_pad, valid, first)[1], out[1], atol=1e-6)
+    changed_ctx = feats.clone()
+    changed_ctx[0, -1] += 1.0
+    assert (drafter(changed_ctx, valid, first)[0] - out[0]).abs().amax(dim=-1).min() > 1e-4
+    other_first = first.clone()
+    other_first[0] += 1.0
+    assert (drafter(feats, valid, other_first)[0] - out[0]).abs().amax(dim=-1).min() > 1e-4
+    # Fewer drafts: the same rows attend to fewer mask rows, so they differ (non-causal), but the shape follows.
+    assert drafter(feats, valid, first, num_drafts=2).shape == (2, 2, 32)
+
+
+def test_checkpoint_round_trip_and_errors(tmp_path):
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(small_config(50, 32)).init_for_training()
+    drafter.save(tmp_path / "d")
+    loaded = load_drafter(tmp_path / "d")
+    assert loaded.config == drafter.config
+    for name, t in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="num_heads"):
+        small_config(50, 30)
+    with pytest.raises(ValueError, match="tap_layers"):
+        DSparkConfig(vocab_size=5, hidden_size=8, tap_layers=())
+    (tmp_path / "d" / "config.json").write_text('{"architectures": ["KimiLinearForCausalLM"]}')
+    with pytest.raises(ValueError, match="not a DSparkDrafter"):
+        load_drafter(tmp_path / "d")
+    with pytest.raises(ValueError, match="speculative_config.model is required"):
+        resolve_drafter_path(None, str(tmp_path))
+
+
+def test_feature_taps_are_the_tapped_layer_outputs(base):
+    model = load_model(base)
+    taps = FeatureTaps(model, TAPS)
+    seen = {}
+    hooks = [model.decoder_layers[i].register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o.clone()))
+             for i in TAPS]
+    ids = prompt_ids(ModelConfig.from_pretrained(base).vocab_size, 9, seed=1)
+    seq = sequence_features(model, [(ids, 4)], TAPS, window=2)[0]
+    for h in hooks:
+        h.remove()
+    expected = torch.cat([seen[i] for i in TAPS], dim=-1)[2:]
+    assert seq.first_anchor == 2 and seq.token_ids.tolist() == ids[2:]
+    assert torch.allclose(seq.features.float(), expected.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="out of range"):
+        FeatureTaps(model, (99,))
+    taps.remove()
+
+
+# -- the engine -------------------------------------------------------------------------------------------------
+
+
+class CountingDrafts(Counting):
+    """`Counting` for a proposer whose drafts come from the workers."""
+
+    def receive(self, drafts) -> None:  # noqa: ANN001
+        self.inner.receive(drafts)
+
+
+def _replace_spec(cfg: EngineConfig, spec: SpeculativeConfig) -> EngineConfig:
+    return dataclasses.replace(cfg, speculative_config=spec)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["verify_all", "adaptive"])
+def test_block_drafter_gives_plain_greedy_output(base, fitted_drafter, adaptive):
+    plain = plain_run(base, "float32")
+    config = _replace_spec(engine_config(base), SpeculativeConfig(
+        method="dspark", num_speculative_tokens=K, model=fitted_drafter, enable_adaptive_verification=adaptive))
+    counting = CountingDrafts(BlockDraftProposer(model=fitted_drafter, num_speculative_tokens=K, engine=config))
+    core = EngineCore(config, proposer=counting)
+    spec = run(core, requests(base))
+    assert spec.tokens == plain.tokens
+    assert counting.proposed > 0
+    assert spec.multi_token_outputs > 0, "no draft was ever accepted"
+    stats = core.proposer_hook.stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "drafts must be both accepted and rejected"
+    assert_features_hit(core)
+    assert_all_free(core)
+    if adaptive:
+        verifier = core.proposer_hook.verifier
+        assert verifier is not None and verifier.stats.num_steps > 0
+        assert core.get_stats().spec_adaptive_steps == verifier.stats.num_steps
+    core.shutdown()
+
+
+def test_proposer_offers_only_current_drafts(base, fitted_drafter):
+    """A draft applies only while the request has exactly the tokens it continues, cut to the room left."""
+    from deltaserve.request import Request
+    from deltaserve.scheduler.output import BlockDraft
+
+    config = _replace_spec(engine_config(base), SpeculativeConfig(method="dspark", num_speculative_tokens=K,
+                                                                  model=fitted_drafter))
+    proposer = BlockDraftProposer(model=fitted_drafter, num_speculative_tokens=K, engine=config)
+    req = Request(request_id="a", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4),
+                  stop_token_ids=frozenset(), arrival_index=0, max_total_tokens=100)
+    req.output_token_ids.append(7)
+    proposer.receive({"a": BlockDraft((5, 6, 7, 8, 9), (0.9,) * 5, num_tokens=4)})
+    got = proposer.propose([req])["a"]
+    assert got.token_ids == [5, 6] and got.confidences == (0.9, 0.9)  # 3 more tokens at most: 2 drafts + 1
+    req.output_token_ids.append(5)
+    assert proposer.propose([req]) == {}
+    assert proposer.memory_bytes > 0
+    with pytest.raises(ValueError, match="exceeds the drafter's block_size"):
+        BlockDraftProposer(model=fitted_drafter, num_speculative_tokens=K + 1, engine=config)
+
+
+def test_embedded_model_loads_its_drafter_by_default():
+    from deltaserve.default_model import DSPARK_PATH, default_model_dir
+
+    assert resolve_drafter_path(None, default_model_dir()) == DSPARK_PATH
+    assert (Path(DSPARK_PATH) / "MODEL_CARD.md").is_file()
