@@ -14,12 +14,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deltaserve.bench import trace_replay as tr
+from deltaserve.bench.spec_workloads import build_workload
 
 if TYPE_CHECKING:
     from deltaserve.bench.serve_config import ServeBenchConfig
     from deltaserve.text.tokenizer import Tokenizer
 
-TOKEN_DATASETS = ("random", "prefix_repetition", "mooncake")
+DOMAIN_DATASETS = ("tool-chat", "code-edit")
+"""Token-id prompts in the embedded model's own domains (`spec_workloads.py`), whose outputs end at eos: what
+speculative decoding's acceptance depends on (tool calls and code copy; random prompts have nothing to find)."""
+TOKEN_DATASETS = ("random", "prefix_repetition", "mooncake", *DOMAIN_DATASETS)
 """Datasets of token-id prompts (the `openai` backend, /v1/completions)."""
 CHAT_DATASETS = ("agentic",)
 """Datasets of chat sessions (the `openai-chat` backend, /v1/chat/completions)."""
@@ -184,9 +188,15 @@ def agentic_sessions(num_requests: int, *, turns: int, system_len: int, user_len
     return sessions
 
 
-def build_dataset(cfg: ServeBenchConfig, tokenizer: Tokenizer, *, max_model_len: int, seed: int) -> Dataset:
-    """The workload `cfg.dataset_name` names, with `cfg.num_prompts` requests (turns for `agentic`)."""
+def build_dataset(cfg: ServeBenchConfig, tokenizer: Tokenizer, *, max_model_len: int, seed: int,
+                  model_dir: str = "") -> Dataset:
+    """The workload `cfg.dataset_name` names, with `cfg.num_prompts` requests (turns for `agentic`). `model_dir`:
+    the checkpoint the tokenizer came from (the domain datasets render its chat format)."""
     n, bound = cfg.num_prompts, ordinary_id_bound(tokenizer)
+    if cfg.dataset_name in DOMAIN_DATASETS:
+        work = build_workload(cfg.dataset_name, tokenizer, model_dir, n, seed)
+        reqs = [SampleRequest(prompt=p, prompt_len=len(p), output_len=cfg.random_output_len) for p in work.prompts]
+        return Dataset(requests=reqs, sessions=[], info={"sources": work.sources[:8]})
     if cfg.dataset_name == "random":
         reqs = random_requests(n, input_len=cfg.random_input_len, output_len=cfg.random_output_len,
                                range_ratio=cfg.random_range_ratio, prefix_len=cfg.random_prefix_len,

@@ -109,7 +109,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty"
 
 def _sampling(cfg: ServeBenchConfig) -> dict[str, Any]:
     body = {k: getattr(cfg, k) for k in SAMPLING_FIELDS if getattr(cfg, k) is not None}
-    body["ignore_eos"] = True if cfg.ignore_eos is None else cfg.ignore_eos
+    body["ignore_eos"] = cfg.sends_ignore_eos
     return body | (cfg.extra_body or {})
 
 
@@ -248,7 +248,7 @@ async def run_async(cfg: ServeBenchConfig) -> dict[str, Any]:
         model, served = resolve_model(cfg, models)
         tokenizer, tokenizer_id = load_tokenizer(cfg, served)
         data = build_dataset(cfg, tokenizer, max_model_len=int(served.get("max_model_len") or 1 << 20),
-                             seed=cfg.seed)
+                             seed=cfg.seed, model_dir=tokenizer_id)
         delays = send_delays(cfg, data, cfg.seed)
         runner = Runner(cfg, client, model, headers, tokenizer)
         flushed = await endpoint.reset_prefix_cache(client, cfg.url, headers) if cfg.reset_prefix_cache else None

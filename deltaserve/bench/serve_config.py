@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.bench.datasets import CHAT_DATASETS, DATASETS, TOKEN_DATASETS
+from deltaserve.bench.datasets import CHAT_DATASETS, DATASETS, DOMAIN_DATASETS, TOKEN_DATASETS
 from deltaserve.bench.metrics import parse_goodput, parse_metric_names, parse_percentiles
 from deltaserve.utils.cli_args import field_docs
 
@@ -131,7 +131,8 @@ class ServeBenchConfig:
     logprobs: int | None = None
     """Log-probabilities of this many top tokens returned per output token (default: none asked)."""
     ignore_eos: bool | None = None
-    """Send ignore_eos so outputs have exactly the dataset's length (default: on for every dataset here)."""
+    """Send ignore_eos so outputs have exactly the dataset's length (default: on, except for the domain datasets
+    tool-chat and code-edit, whose outputs end at eos or --random-output-len)."""
     extra_body: dict[str, Any] | None = field(default=None, metadata={"type": json.loads})
     """JSON object merged into every request body."""
     percentile_metrics: str | None = None
@@ -211,6 +212,11 @@ class ServeBenchConfig:
         if not 0 < start <= end:
             # vLLM allows a linear ramp from 0 and then fails on the first request's zero rate.
             raise ValueError(f"ramp-up rates must satisfy 0 < start <= end, got {start} and {end}")
+
+    @property
+    def sends_ignore_eos(self) -> bool:
+        """The `ignore_eos` every request carries."""
+        return self.dataset_name not in DOMAIN_DATASETS if self.ignore_eos is None else self.ignore_eos
 
     @property
     def backend_name(self) -> str:

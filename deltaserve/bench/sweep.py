@@ -22,7 +22,8 @@ from deltaserve.bench.serve_config import ServeBenchConfig, add_config_args, con
 SUMMARY_KEYS = ("max_concurrency", "num_prompts", "completed", "failed", "duration", "request_throughput",
                 "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                 "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "mean_per_user_decode_tok_s",
-                "median_per_user_decode_tok_s", "p10_per_user_decode_tok_s", "prefix_cache_hit_rate")
+                "median_per_user_decode_tok_s", "p10_per_user_decode_tok_s", "prefix_cache_hit_rate",
+                "spec_decode_acceptance_length")
 """Per-point keys kept in the sweep summary (each point's full result is its own `bench serve` JSON)."""
 SKIPPED_SERVE_FIELDS = ("num_prompts", "max_concurrency", "result_filename")
 

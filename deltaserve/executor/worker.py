@@ -119,9 +119,12 @@ class Worker:
             self.runner.drafting = BlockDrafting(
                 load_drafter(path, dtype=getattr(torch, self.config.dtype), device=self.device), self.model,
                 sample_method=spec.draft_sample_method or "probabilistic", seed=self.config.seed)
-            logger.info("dspark block drafter %s: %d drafts per forward over %d target positions of layers %s",
-                        path, self.runner.drafting.block_size, self.runner.drafting.window,
-                        list(self.runner.drafting.drafter.config.tap_layers))
+            drafting = self.runner.drafting
+            weights = sum(p.numel() * p.element_size() for p in drafting.drafter.parameters())
+            logger.info("dspark block drafter %s: %d drafts per forward over %d target positions of layers %s; "
+                        "weights %.2f MiB, %.1f KiB per sequence (feature window and kept draft distributions)",
+                        path, drafting.block_size, drafting.window, list(drafting.drafter.config.tap_layers),
+                        weights / 2**20, drafting.bytes_per_request / 2**10)
         if self.vision is not None:
             self.runner.images = ImageEmbedder(self.vision, EncoderCache(self.config.cache.encoder_cache_bytes),
                                              getattr(torch, self.config.dtype))

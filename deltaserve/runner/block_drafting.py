@@ -142,23 +142,42 @@ class BlockDrafting:
         first = torch.tensor([sampled[rid][-1].token_id for rid, _ in rows], device=self.device)
         model = self.model
         logits = draft_logits(self.drafter, features, valid, first, model.embed, model.compute_logits)  # [B, k, V]
+        k = self.block_size
+        tokens = torch.empty(len(rows), k, dtype=torch.long, device=self.device)
+        conf = torch.empty(len(rows), k, device=self.device)
+        probs: list[torch.Tensor | None] = [None] * len(rows)
+        greedy = [b for b, (rid, _) in enumerate(rows) if params[rid].greedy or self.sample_method == "greedy"]
+        if greedy:
+            idx = torch.tensor(greedy, device=self.device)
+            top, picked = logits.index_select(0, idx).softmax(dim=-1).max(dim=-1)
+            conf.index_copy_(0, idx, top)
+            tokens.index_copy_(0, idx, picked)
+        chosen = set(greedy)
+        drawn = [b for b in range(len(rows)) if b not in chosen]
+        if drawn:
+            # One batched q for every drawn row of every block; each row is drawn by its request's generator.
+            idx = torch.tensor(drawn, device=self.device)
+            row_params = [params[rows[b][0]] for b in drawn for _ in range(k)]
+            q = draft_distribution(logits.index_select(0, idx).flatten(0, 1), row_params)  # [S * k, V]
+            gens = [self._generator(contexts[b], params[rows[b][0]]) for b in drawn for _ in range(k)]
+            picked = sampling_ops.random_sample(q, gens)
+            conf.index_copy_(0, idx, q.gather(1, picked[:, None]).view(len(drawn), k))
+            tokens.index_copy_(0, idx, picked.view(len(drawn), k))
+            q = q.view(len(drawn), k, -1)
+            for n, b in enumerate(drawn):
+                probs[b] = q[n]
         out = {}
-        for b, ((rid, num_tokens), ctx) in enumerate(zip(rows, contexts, strict=True)):
-            p = params[rid]
-            if p.greedy or self.sample_method == "greedy":
-                conf, tokens = logits[b].softmax(dim=-1).max(dim=-1)
-                probs = None
-            else:
-                if p.seed is not None and ctx.generator is None:
-                    ctx.generator = torch.Generator(device=self.device).manual_seed(draft_seed(p.seed))
-                probs = draft_distribution(logits[b], [p] * self.block_size)
-                gen = ctx.generator or self.generator
-                tokens = sampling_ops.random_sample(probs, [gen] * self.block_size)
-                conf = probs.gather(1, tokens[:, None]).squeeze(1)
-            ids = tokens.tolist()
-            ctx.kept = _Kept(ids, probs, num_tokens)
-            out[rid] = BlockDraft(tuple(ids), tuple(conf.tolist()), num_tokens)
+        for b, ((rid, num_tokens), ctx, ids, c) in enumerate(zip(rows, contexts, tokens.tolist(), conf.tolist(),
+                                                                strict=True)):
+            ctx.kept = _Kept(ids, probs[b], num_tokens)
+            out[rid] = BlockDraft(tuple(ids), tuple(c), num_tokens)
         return out
+
+    def _generator(self, ctx: _Context, params: SamplingParams) -> torch.Generator:
+        """The request's own draft generator (seeded requests), else the runner's."""
+        if params.seed is not None and ctx.generator is None:
+            ctx.generator = torch.Generator(device=self.device).manual_seed(draft_seed(params.seed))
+        return ctx.generator or self.generator
 
     @torch.inference_mode()
     def time_draft(self, num_seqs: int) -> float:

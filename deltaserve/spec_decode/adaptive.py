@@ -110,6 +110,9 @@ class AdaptiveVerifier:
         self._weight = float(ema)
         self._accept_ema: list[float | None] = [None] * num_speculative_tokens
         self._conf_ema: list[float | None] = [None] * num_speculative_tokens
+        self._offered_ema: list[float | None] = [None] * num_speculative_tokens
+        """Per position: the EMA of the mean calibrated confidence `choose` was offered (what `should_draft` judges by
+        while no verified step has been observed: a verifier that never verifies never observes)."""
         self.stats = AdaptiveStats()
 
     @property
@@ -176,7 +179,11 @@ class AdaptiveVerifier:
         if num_spec == 0:
             return []
         raw, mask = self._padded(confidences)
-        gains = np.cumprod(self._calibrated(raw), axis=1)[mask]  # marginal gain of each real draft, request-major
+        calibrated = self._calibrated(raw)
+        counts = mask.sum(axis=0)
+        for j in np.nonzero(counts)[0]:
+            self._offered_ema[j] = _ema(self._offered_ema[j], float(calibrated[mask[:, j], j].mean()), self._weight)
+        gains = np.cumprod(calibrated, axis=1)[mask]  # marginal gain of each real draft, request-major
         requests, positions = np.nonzero(mask)
         # Best first; ties: earlier positions first (keeps prefixes), then spread across requests.
         order = np.lexsort((requests, positions, -gains))
@@ -198,14 +205,15 @@ class AdaptiveVerifier:
         """Whether drafting for the next step of `num_seqs` decoding requests at `context_len` can beat plain decoding.
 
         Compares the best expected rate with drafting (every request drafting k positions with the observed
-        `acceptance_rates` as confidences, the drafter's time included) against ``B / predict(B, B, ctx)``. True before
-        any observation (the rates must be learnt); False for no requests. Call it every step, also while off: the
+        `acceptance_rates` as confidences, the drafter's time included) against ``B / predict(B, B, ctx)``. Before any
+        verified step it judges by the calibrated confidences `choose` was offered (a verifier that verifies nothing
+        still learns that drafting does not pay); True before either; False for no requests. Call it every step, also while off: the
         rates stay as last seen, and a smaller load brings drafting back.
         """
         _check_other_rows(num_other_seqs, num_other_tokens)
         if num_seqs <= 0:
             return False
-        rates = _carry_forward(self._accept_ema)
+        rates = _carry_forward(self._accept_ema) or _carry_forward(self._offered_ema)
         if rates is None:
             return True
         # Every request's position j before any position j + 1 (all requests alike).

@@ -102,6 +102,15 @@ def test_compute_bound_batch_64_verifies_nothing():
     assert not verifier.should_draft(64, 100)
 
 
+def test_a_verifier_that_never_verifies_still_turns_drafting_off():
+    """No verified step means no acceptance to observe: the offered confidences decide instead."""
+    verifier = AdaptiveVerifier(grid_model(compute_bound), 4)
+    assert verifier.should_draft(64, 100)  # nothing known yet
+    assert verifier.choose([[0.9] * 4] * 64, [100] * 64) == [0] * 64
+    assert not verifier.should_draft(64, 100)
+    assert verifier.should_draft(1, 100) == (verifier.choose([[0.9] * 4], [100]) != [0])
+
+
 def test_intermediate_load_takes_the_top_marginal_positions():
     """Two requests, 1 s per step plus 0.1 s per token: the confident request's 4 drafts (gains 0.9 .. 0.66) pay,
     the weak request's (0.3, 0.09) do not; the answer is the brute-force optimum."""

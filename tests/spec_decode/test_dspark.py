@@ -20,6 +20,8 @@ from deltaserve.models.dspark import DSparkConfig, DSparkDrafter, load_drafter, 
 from deltaserve.models.loader import load_model
 from deltaserve.runner.feature_taps import FeatureTaps
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.spec_decode.adaptive import AdaptiveVerifier
+from deltaserve.spec_decode.cost_model import StepCostModel
 from deltaserve.spec_decode.dspark import BlockDraftProposer
 from deltaserve.spec_decode.dspark_training import (
     acceptance_length,
@@ -218,3 +220,36 @@ def test_embedded_model_loads_its_drafter_by_default():
 
     assert resolve_drafter_path(None, default_model_dir()) == DSPARK_PATH
     assert (Path(DSPARK_PATH) / "MODEL_CARD.md").is_file()
+
+
+def synthetic_costs(verify_factor: float) -> StepCostModel:
+    """Step seconds 1 ms per sequence-step plus `verify_factor` ms per verified draft token; drafting free."""
+    batch, qlens = (1, 8), (1, K + 1)
+    seconds = tuple(tuple(tuple(1e-3 * b + verify_factor * 1e-3 * b * (q - 1) for q in qlens) for b in batch)
+                    for _ in (0, 1))
+    return StepCostModel(batch_sizes=batch, query_lens=qlens, context_lens=(0, 4096), seconds=seconds,
+                         draft_seconds=(0.0, 0.0))
+
+
+@pytest.mark.parametrize("verify_factor, verifies", [(0.01, True), (50.0, False)], ids=["cheap", "dear"])
+def test_adaptive_decisions_change_no_output(base, fitted_drafter, verify_factor, verifies):
+    """The same batch under a verifier that finds verification nearly free (verifies drafts) and one that finds it
+    dearer than any gain (verifies none, then turns drafting off): outputs equal plain decoding either way."""
+    plain = plain_run(base, "float32")
+    config = _replace_spec(engine_config(base), SpeculativeConfig(method="dspark", num_speculative_tokens=K,
+                                                                  model=fitted_drafter))
+    core = EngineCore(config)
+    assert core.proposer_hook is not None and core.proposer_hook.verifier is not None
+    core.proposer_hook.verifier = AdaptiveVerifier(synthetic_costs(verify_factor), K)
+    spec = run(core, requests(base))
+    assert spec.tokens == plain.tokens
+    stats = core.get_stats()
+    assert stats.spec_adaptive_steps > 0
+    if verifies:
+        assert stats.spec_adaptive_verified_positions > 0 and stats.spec_num_accepted_tokens > 0
+        assert spec.multi_token_outputs > 0
+    else:
+        assert stats.spec_adaptive_verified_positions == 0 and stats.spec_num_draft_tokens == 0
+        assert stats.spec_adaptive_draft_off_steps > 0
+    assert_all_free(core)
+    core.shutdown()

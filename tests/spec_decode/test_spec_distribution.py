@@ -20,16 +20,22 @@ accepting every draft fails the rejection check.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
-from deltaserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from deltaserve.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from deltaserve.engine.engine_core import EngineCore
+from deltaserve.models.dspark import DSparkConfig, DSparkDrafter
+from deltaserve.models.loader import load_model
 from deltaserve.request import Request
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.spec_decode import Proposal
+from deltaserve.spec_decode.dspark_training import drafter_loss, sequence_features, training_batch
+from deltaserve.spec_decode.metrics import SpecDecodeStats
 from tests.helpers import prompt_ids
 
 ALPHA = 1e-3
@@ -189,9 +195,14 @@ def check_same_distribution(path: str, plain: list[list[int]], k: int, condition
         spec = run(core, prompt(), range(100_000, 100_000 + len(plain)), len(plain[0]))
     finally:
         core.shutdown()
+    assert core.proposer_hook is not None
+    compare(plain, spec, core.proposer_hook.stats, k)
 
-    stats = core.proposer_hook.stats if core.proposer_hook is not None else None
-    assert stats is not None and stats.num_drafts > 0
+
+def compare(plain: list[list[int]], spec: list[list[int]], stats: SpecDecodeStats, k: int) -> None:
+    """The speculative run verified drafts of every kind (accepted, rejected, runs of two, k at once), and its
+    histograms match the plain run's."""
+    assert stats.num_drafts > 0
     first_rejected = stats.num_drafts - stats.accepted_per_pos[0]
     assert stats.num_accepted_tokens > 0, "no proposal was ever accepted"
     assert first_rejected > 0, "no proposal was ever rejected: the residual path never ran"
@@ -204,6 +215,28 @@ def check_same_distribution(path: str, plain: list[list[int]], k: int, condition
     failed = [name for name, (_, _, p) in results.items() if p < ALPHA]
     assert not failed, f"spec and plain sampling differ at {failed} (alpha={ALPHA}): {report}"
     assert all(df >= 3 for _, df, _ in results.values()), f"histograms too coarse to mean anything: {report}"
+
+
+def fit_drafter(path: str, plain: list[list[int]], out: Path, k: int) -> str:
+    """A block drafter for `path` fitted (a few seconds) to the first 512 plain samples, so that its drafts, drawn
+    at the requests' temperature and top-k, are often but not always accepted."""
+    torch.manual_seed(0)
+    target = load_model(path)
+    cfg = ModelConfig.from_pretrained(path)
+    dcfg = DSparkConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, tap_layers=(1, 7), num_layers=1,
+                        intermediate_size=128, block_size=k, context_window=4)
+    seqs = sequence_features(target, [(prompt() + t, PROMPT_LEN) for t in plain[:512]], dcfg.tap_layers,
+                             dcfg.context_window)
+    batch = training_batch(seqs, [(s, n) for s, seq in enumerate(seqs) for n in seq.anchors()], dcfg)
+    drafter = DSparkDrafter(dcfg).init_for_training()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(60):
+        loss, _, _ = drafter_loss(drafter, batch, target.embed_tokens.float(), target.lm_head.float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter.save(out)
+    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +270,21 @@ def test_speculation_keeps_the_distribution_of_the_first_tokens(path, plain, one
 def test_speculation_keeps_the_distribution_of_the_first_tokens_large(path, one_thread, conditional):
     """8x the seeds, k = 3 and one more token, so that tokens 2, 3 and 4 can all be verified drafts."""
     check_same_distribution(path, plain_run(path, 8 * NUM_SEEDS, MAX_TOKENS + 1), k=3, conditional=conditional)
+
+
+@pytest.mark.parametrize("rejection", ["block", pytest.param("standard", marks=pytest.mark.slow)])  # CI time
+def test_block_drafter_keeps_the_distribution_of_the_first_tokens(path, plain, one_thread, tmp_path, rejection):
+    """Method dspark with probabilistic drafts (every block row drawn from the drafter's q at the request's
+    temperature and top-k, its q kept on the worker) and block verification (or the per-token rule)."""
+    k = MAX_TOKENS - 1
+    drafter = fit_drafter(path, plain, tmp_path / "drafter", k)
+    config = dataclasses.replace(engine_config(path), speculative_config=SpeculativeConfig(
+        method="dspark", num_speculative_tokens=k, model=drafter, rejection_sample_method=rejection,
+        enable_adaptive_verification=False))
+    core = EngineCore(config)
+    try:
+        spec = run(core, prompt(), range(100_000, 100_000 + len(plain)), len(plain[0]))
+    finally:
+        core.shutdown()
+    assert core.proposer_hook is not None
+    compare(plain, spec, core.proposer_hook.stats, k)
