@@ -276,7 +276,7 @@ def test_speculation_keeps_the_distribution_of_the_first_tokens_large(path, one_
 def test_block_drafter_keeps_the_distribution_of_the_first_tokens(path, plain, one_thread, tmp_path, rejection):
     """Method dspark with probabilistic drafts (every block row drawn from the drafter's q at the request's
     temperature and top-k, its q kept on the worker) and block verification (or the per-token rule)."""
-    k = MAX_TOKENS - 1
+    k = MAX_TOKENS - 2  # drafts start after the prefill's token; each step keeps room for its sampled token
     drafter = fit_drafter(path, plain, tmp_path / "drafter", k)
     config = dataclasses.replace(engine_config(path), speculative_config=SpeculativeConfig(
         method="dspark", num_speculative_tokens=k, model=drafter, rejection_sample_method=rejection,
