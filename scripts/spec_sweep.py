@@ -86,7 +86,7 @@ def main() -> None:
                 print(f"   {dataset}: {' '.join(cmd[2:])}", flush=True)
                 subprocess.run(cmd, check=True, stdout=(out / f"bench_{tag}_{dataset}.log").open("w"),
                                stderr=subprocess.STDOUT)
-                summaries = sorted(result_dir.glob("*summary*.json"), key=lambda p: p.stat().st_mtime)
+                summaries = sorted(result_dir.glob("sweep-*.json"), key=lambda p: p.stat().st_mtime)
                 points = json.loads(summaries[-1].read_text())["points"]
                 summary.setdefault(name, {})[dataset] = points
                 for p in points:

@@ -151,6 +151,12 @@ class _TimedProposer:
     def forget(self, request_id: str) -> None:
         self.inner.forget(request_id)
 
+    def receive(self, drafts: Any) -> None:
+        """A block drafter's drafts from the workers (the engine hands them to any proposer that takes them)."""
+        receive = getattr(self.inner, "receive", None)
+        if receive is not None:
+            receive(drafts)
+
 
 class _StepRecorder:
     """The engine's step observer during a run: adds the pure decode steps' time, forward, proposer time, rows and

@@ -78,6 +78,12 @@ def _carry_forward(values: Sequence[float | None]) -> list[float] | None:
     return out
 
 
+IDLE_STEPS = 8
+"""Consecutive steps whose drafts were all refused after which drafting pauses (see `should_draft`)."""
+PROBE_INTERVAL = 32
+"""While paused, one step in this many drafts again, to see whether its drafts now pay."""
+
+
 class AdaptiveVerifier:
     """Chooses m_r, the draft positions request r verifies this step, maximising expected tokens per second.
 
@@ -114,6 +120,9 @@ class AdaptiveVerifier:
         """Per position: the EMA of the mean calibrated confidence `choose` was offered (what `should_draft` judges by
         while no verified step has been observed: a verifier that never verifies never observes)."""
         self.stats = AdaptiveStats()
+        self._idle_steps = 0
+        """Consecutive `choose` calls that verified nothing."""
+        self._since_probe = 0
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -198,6 +207,7 @@ class AdaptiveVerifier:
         self.stats.num_offered_positions += int(gains.size)
         self.stats.num_verified_positions += total
         self.stats.last_total = total
+        self._idle_steps = 0 if total else self._idle_steps + 1
         return chosen
 
     def should_draft(self, num_seqs: int, context_len: int, *, num_other_seqs: int = 0,
@@ -207,8 +217,11 @@ class AdaptiveVerifier:
         Compares the best expected rate with drafting (every request drafting k positions with the observed
         `acceptance_rates` as confidences, the drafter's time included) against ``B / predict(B, B, ctx)``. Before any
         verified step it judges by the calibrated confidences `choose` was offered (a verifier that verifies nothing
-        still learns that drafting does not pay); True before either; False for no requests. Call it every step, also while off: the
-        rates stay as last seen, and a smaller load brings drafting back.
+        still learns that drafting does not pay); True before either; False for no requests. Call it every step, also
+        while off: the rates stay as last seen, and a smaller load brings drafting back.
+
+        And drafting whose drafts `choose` keeps refusing is wasted: after IDLE_STEPS consecutive choices of nothing,
+        drafting is off except for one probe step every PROBE_INTERVAL calls (a verified position ends the pause).
         """
         _check_other_rows(num_other_seqs, num_other_tokens)
         if num_seqs <= 0:
@@ -223,8 +236,13 @@ class AdaptiveVerifier:
         seconds = curve.many(num_seqs + num_other_tokens + np.arange(gains.size + 1))
         plain_rate = batch / seconds[0]
         _, best_rate = scan_totals(gains, seconds + self.cost_model.predict_draft(num_seqs), base_tokens=batch)
-        if best_rate > plain_rate:
+        if best_rate > plain_rate and self._idle_steps < IDLE_STEPS:
             return True
+        if best_rate > plain_rate:
+            self._since_probe += 1
+            if self._since_probe >= PROBE_INTERVAL:
+                self._since_probe = 0
+                return True
         self.stats.num_draft_off_steps += 1
         return False
 

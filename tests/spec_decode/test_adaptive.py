@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from deltaserve.spec_decode.adaptive import AdaptiveStats, AdaptiveVerifier, scan_totals
+from deltaserve.spec_decode.adaptive import IDLE_STEPS, PROBE_INTERVAL, AdaptiveStats, AdaptiveVerifier, scan_totals
 from deltaserve.spec_decode.cost_model import MIN_STEP_SECONDS, StepCostModel, measure_cost_model
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -100,6 +100,20 @@ def test_compute_bound_batch_64_verifies_nothing():
     assert verifier.choose([[0.9] * 4] * 64, [100] * 64) == [0] * 64
     observe_steps(verifier, 0.9)
     assert not verifier.should_draft(64, 100)
+
+
+def test_drafts_that_are_always_refused_pause_drafting_with_probes():
+    """choose() verifying nothing for IDLE_STEPS steps pauses drafting even where should_draft's rates say it may
+    pay; one probe every PROBE_INTERVAL calls drafts again, and a verified position ends the pause."""
+    verifier = AdaptiveVerifier(grid_model(memory_bound, draft=lambda b: 1e-3), 8)
+    assert verifier.should_draft(1, 100)
+    for _ in range(IDLE_STEPS):
+        assert verifier.choose([[0.0] * 8], [100]) == [0]
+    observe_steps(verifier, 0.9, batch=1)  # the rates say drafting pays; the refusals say otherwise
+    answers = [verifier.should_draft(1, 100) for _ in range(2 * PROBE_INTERVAL)]
+    assert answers.count(True) == 2 and answers[PROBE_INTERVAL - 1] and answers[-1]
+    assert verifier.choose([[0.9] * 8], [100]) == [8]  # the probe's drafts pay: the pause ends
+    assert verifier.should_draft(1, 100)
 
 
 def test_a_verifier_that_never_verifies_still_turns_drafting_off():
