@@ -89,8 +89,10 @@ class AdaptiveVerifier:
 
     A step of B sequences (the speculating ones plus `num_other_seqs`) and Q = B_spec + sum m_r + `num_other_tokens`
     query tokens takes ``cost_model.predict(B, Q, ctx) + cost_model.predict_draft(B_spec)`` seconds and yields
-    ``B + sum_r E_r(m_r)`` tokens, where ``E_r(m) = sum_{j<m} prod_{i<=j} c_ri`` (each row counts one unit of
-    progress; speculating rows add their expected accepted drafts). For a fixed total M = sum m_r the best split takes
+    ``B_spec + num_other_tokens + sum_r E_r(m_r)`` tokens of progress, where ``E_r(m) = sum_{j<m} prod_{i<=j} c_ri``
+    (every query token of the other rows counts: a prefill chunk's tokens are work done, so drafts must be as cheap per
+    token as the step's own work, never slowing a step full of prefill for a small gain; speculating rows count their
+    one token plus their expected accepted drafts). For a fixed total M = sum m_r the best split takes
     the M largest marginal gains ``prod_{i<=j} c_ri`` (they decrease in j, so each request gets a prefix: exact, by
     concavity), and M is scanned over 0..sum n_r. `ctx` is the mean context length of the speculating requests,
     rounded.
@@ -201,7 +203,7 @@ class AdaptiveVerifier:
         overhead = self.cost_model.predict_draft(num_spec) if drafting else 0.0
         base_query_tokens = num_spec + num_other_tokens
         seconds = curve.many(base_query_tokens + np.arange(gains.size + 1)) + overhead
-        total, _ = scan_totals(gains[order], seconds, base_tokens=num_seqs)
+        total, _ = scan_totals(gains[order], seconds, base_tokens=base_query_tokens)
         chosen = np.bincount(requests[order[:total]], minlength=num_spec).tolist()
         self.stats.num_steps += 1
         self.stats.num_offered_positions += int(gains.size)
@@ -234,8 +236,9 @@ class AdaptiveVerifier:
         batch = num_seqs + num_other_seqs
         curve = self.cost_model.cost_curve(batch, context_len)
         seconds = curve.many(num_seqs + num_other_tokens + np.arange(gains.size + 1))
-        plain_rate = batch / seconds[0]
-        _, best_rate = scan_totals(gains, seconds + self.cost_model.predict_draft(num_seqs), base_tokens=batch)
+        base = num_seqs + num_other_tokens
+        plain_rate = base / seconds[0]
+        _, best_rate = scan_totals(gains, seconds + self.cost_model.predict_draft(num_seqs), base_tokens=base)
         if best_rate > plain_rate and self._idle_steps < IDLE_STEPS:
             return True
         if best_rate > plain_rate:

@@ -50,7 +50,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("command, config, needle", [
     (("generate", "--prompt", "x"), '{"method": "draft", "num_speculative_tokens": 3}',
-     "speculative_config.method must be one of 'ngram', 'draft_model', got 'draft'"),
+     "speculative_config.method must be one of 'ngram', 'draft_model', 'dspark', 'dflash', got 'draft'"),
     (("serve",), '{"method": "ngram", "num_speculative_tokens": 99}',
      "speculative_config.num_speculative_tokens must be an integer in 1..16, got 99"),
     (("bench", "offline"), '{"method": "ngram"', "speculative_config is not valid JSON"),

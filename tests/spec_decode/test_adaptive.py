@@ -50,7 +50,8 @@ def roofline(b: int, q: int, c: int) -> float:
 
 def expected_rate(model: StepCostModel, confidences: Sequence[Sequence[float]], context_lens: Sequence[int],
                   chosen: Sequence[int], *, num_other_seqs: int = 0, num_other_tokens: int = 0) -> float:
-    """The objective, written out: (B + sum_r sum_{j<m_r} prod_{i<=j} c_ri) / (cost(B, Q, ctx) + draft(B_spec))."""
+    """The objective, written out: (B_spec + other tokens + sum_r sum_{j<m_r} prod_{i<=j} c_ri) / (cost(B, Q, ctx) +
+    draft(B_spec))."""
     gained = 0.0
     for conf, m in zip(confidences, chosen, strict=True):
         prob = 1.0
@@ -61,7 +62,7 @@ def expected_rate(model: StepCostModel, confidences: Sequence[Sequence[float]], 
     batch = num_spec + num_other_seqs
     ctx = round(sum(context_lens) / num_spec)
     seconds = model.predict(batch, num_spec + num_other_tokens + sum(chosen), ctx) + model.predict_draft(num_spec)
-    return (batch + gained) / seconds
+    return (num_spec + num_other_tokens + gained) / seconds
 
 
 def brute_force(model: StepCostModel, confidences: Sequence[Sequence[float]], context_lens: Sequence[int],
@@ -171,6 +172,13 @@ def test_other_rows_count_in_the_batch():
     verifier = AdaptiveVerifier(grid_model(roofline), 4)
     assert verifier.choose([[0.9] * 4] * 4, [50] * 4) == [4] * 4
     assert verifier.choose([[0.9] * 4] * 4, [50] * 4, num_other_seqs=252, num_other_tokens=252) == [0] * 4
+
+
+def test_prefill_tokens_in_the_step_count_as_work():
+    """A step carrying a long prefill chunk: drafts that cost as much per token as the chunk's own tokens are not
+    verified (counting the chunk as one unit of progress would verify them)."""
+    verifier = AdaptiveVerifier(grid_model(compute_bound), 4)
+    assert verifier.choose([[0.99] * 4], [50], num_other_seqs=1, num_other_tokens=400) == [0]
 
 
 def test_should_draft_off_at_high_load_and_back_when_it_drops():

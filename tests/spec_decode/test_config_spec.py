@@ -58,8 +58,8 @@ def test_dspark_defaults():
     ({**NGRAM, "speculative_token_tree": "x"}, "speculative_config has unknown field(s) 'speculative_token_tree'"),
     ({"num_speculative_tokens": 3}, "speculative_config.method is required"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens is required"),
-    ({**NGRAM, "method": "draft"}, "speculative_config.method must be one of 'ngram', 'draft_model', 'dspark', 'dflash', "
-                                    "got 'draft'"),
+    ({**NGRAM, "method": "draft"},
+     "speculative_config.method must be one of 'ngram', 'draft_model', 'dspark', 'dflash', got 'draft'"),
     ({**NGRAM, "method": 1}, "speculative_config.method must be a string, got 1"),
     ({**NGRAM, "num_speculative_tokens": 0},
      "speculative_config.num_speculative_tokens must be an integer in 1..16, got 0"),

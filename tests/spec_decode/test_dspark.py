@@ -184,7 +184,9 @@ def test_block_drafter_gives_plain_greedy_output(base, fitted_drafter, adaptive)
     assert counting.proposed > 0
     assert spec.multi_token_outputs > 0, "no draft was ever accepted"
     stats = core.proposer_hook.stats
-    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "drafts must be both accepted and rejected"
+    assert stats.num_accepted_tokens > 0
+    if not adaptive:  # adaptive verification may offer only the drafts that are then all accepted
+        assert stats.num_draft_tokens > stats.num_accepted_tokens, "no draft was ever rejected"
     assert_features_hit(core)
     assert_all_free(core)
     if adaptive:
