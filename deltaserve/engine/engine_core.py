@@ -456,6 +456,8 @@ class EngineCore:
         sent = self.transfer.add(result.transfer, self.config.parallel.world_size)
         if self.step_observer is not None:
             self.step_observer(out, elapsed)
+        if self.proposer_hook is not None:
+            self.proposer_hook.observe_step(out, elapsed)
         for e in events:
             error = errors.get(e.request.request_id)
             outputs.append(EngineCoreOutput(

@@ -193,6 +193,16 @@ class ProposerHook:
                  if c.num_proposed and c.request_id in self._probs}
         return replace(out, draft_probs=probs) if probs else out
 
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step took `seconds` in all: the verifier corrects its cost model with it."""
+        if self.verifier is None or not out.chunks:
+            return
+        sampling = [c for c in out.chunks if c.sample]
+        context = round(sum(c.num_computed_tokens for c in out.chunks) / len(out.chunks))
+        self.verifier.observe_step(len(out.chunks), out.num_tokens, context, seconds,
+                                   num_drafting=len(sampling) if out.propose_drafts else 0,
+                                   verified=any(c.num_proposed for c in out.chunks))
+
     def after_update(self, events: list[StepEvent], result: RunnerOutput) -> dict[str, str]:
         if result.drafts and isinstance(self.proposer, WorkerDraftedProposer):
             self.proposer.receive(result.drafts)

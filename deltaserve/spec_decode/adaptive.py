@@ -124,6 +124,10 @@ class AdaptiveVerifier:
         self.stats = AdaptiveStats()
         self._idle_steps = 0
         """Consecutive `choose` calls that verified nothing."""
+        self._plain_ema: float | None = None
+        """Real / predicted seconds of steps that verified nothing (None: none seen yet)."""
+        self._verify_ema: float | None = None
+        """Real / predicted seconds of the verification part of steps that verified drafts."""
         self._since_probe = 0
 
     @property
@@ -202,7 +206,7 @@ class AdaptiveVerifier:
         curve = self.cost_model.cost_curve(num_seqs, round(sum(context_lens) / num_spec))
         overhead = self.cost_model.predict_draft(num_spec) if drafting else 0.0
         base_query_tokens = num_spec + num_other_tokens
-        seconds = curve.many(base_query_tokens + np.arange(gains.size + 1)) + overhead
+        seconds = self._corrected(curve.many(base_query_tokens + np.arange(gains.size + 1)) + overhead)
         total, _ = scan_totals(gains[order], seconds, base_tokens=base_query_tokens)
         chosen = np.bincount(requests[order[:total]], minlength=num_spec).tolist()
         self.stats.num_steps += 1
@@ -237,8 +241,9 @@ class AdaptiveVerifier:
         curve = self.cost_model.cost_curve(batch, context_len)
         seconds = curve.many(num_seqs + num_other_tokens + np.arange(gains.size + 1))
         base = num_seqs + num_other_tokens
-        plain_rate = base / seconds[0]
-        _, best_rate = scan_totals(gains, seconds + self.cost_model.predict_draft(num_seqs), base_tokens=base)
+        plain_rate = base / (seconds[0] * self._plain_ratio)
+        drafting = self._corrected(seconds + self.cost_model.predict_draft(num_seqs))
+        _, best_rate = scan_totals(gains, drafting, base_tokens=base)
         if best_rate > plain_rate and self._idle_steps < IDLE_STEPS:
             return True
         if best_rate > plain_rate:
@@ -248,6 +253,45 @@ class AdaptiveVerifier:
                 return True
         self.stats.num_draft_off_steps += 1
         return False
+
+    def _corrected(self, seconds: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """Predicted step seconds for 0, 1, 2, ... verified drafts, corrected by what real steps took: the plain
+        part by the plain steps' ratio, the verification part by the verifying steps' ratio."""
+        plain = seconds[0] * self._plain_ratio
+        return np.concatenate([[plain], plain + (seconds[1:] - seconds[0]) * self._verify_ratio])
+
+    def observe_step(self, num_seqs: int, num_tokens: int, context_len: int, seconds: float, *,
+                     num_drafting: int = 0, verified: bool = False) -> None:
+        """One real step of `num_seqs` rows and `num_tokens` query tokens took `seconds` (everything the engine did
+        in it): the cost model measured at start-up times only the forward, so the ratio of real to predicted time
+        (an EMA, clamped to [1/4, 8]) corrects it, separately for steps that verified drafts and for the others.
+        `num_drafting`: requests the workers drafted for after the step (their drafter time is in `seconds`)."""
+        if num_seqs <= 0 or seconds <= 0:
+            return
+        predicted = self.cost_model.predict(num_seqs, num_tokens, context_len)
+        if num_drafting:
+            predicted += self.cost_model.predict_draft(num_drafting)
+        if not verified:
+            self._plain_ema = _ema(self._plain_ema, min(max(seconds / predicted, 0.25), 8.0), self._weight)
+            return
+        # The step's plain part at the plain ratio; what is left is the verification's.
+        base = self.cost_model.predict(num_seqs, num_seqs, context_len) * self._plain_ratio
+        extra = predicted - self.cost_model.predict(num_seqs, num_seqs, context_len)
+        if extra > 0:
+            self._verify_ema = _ema(self._verify_ema, min(max((seconds - base) / extra, 0.25), 8.0), self._weight)
+
+    @property
+    def _plain_ratio(self) -> float:
+        return 1.0 if self._plain_ema is None else self._plain_ema
+
+    @property
+    def _verify_ratio(self) -> float:
+        return 1.0 if self._verify_ema is None else self._verify_ema
+
+    @property
+    def cost_corrections(self) -> tuple[float, float]:
+        """(plain, verification) ratios of real to predicted step time (1.0 until steps of each kind are seen)."""
+        return self._plain_ratio, self._verify_ratio
 
     def observe(self, offered: Sequence[int], accepted: Sequence[int], confidences: Sequence[Sequence[float]]) -> None:
         """One verified step: request r verified `offered[r]` drafts (its m_r), of which the first `accepted[r]` were

@@ -393,3 +393,21 @@ def test_measure_cost_model_takes_the_median_of_repeats():
         measure_cost_model(time_step, batch_sizes=(1,), query_lens=(1,), context_lens=(0,), repeats=0)
     with pytest.raises(ValueError, match="batch_sizes"):
         measure_cost_model(time_step, batch_sizes=(4, 1), query_lens=(1,), context_lens=(0,))
+
+
+def test_real_step_times_correct_the_cost_model():
+    """Verification that really costs more than the start-up model said stops being chosen: after verifying steps
+    whose verification took 20x the predicted time (the correction is clamped to 8x), a choice that paid no longer
+    does; plain steps as predicted leave the plain part alone."""
+    verifier = AdaptiveVerifier(grid_model(lambda b, q, c: 0.010 + 1e-3 * q, draft=lambda b: 1e-4), 8)
+    confident = [[0.6] * 8]
+    assert verifier.choose(confident, [100]) == [3]  # 0.6, 0.36, 0.22 per 1 ms each; 0.13 does not pay
+    assert verifier.cost_corrections == (1.0, 1.0)
+    model = verifier.cost_model
+    plain, full = model.predict(1, 1, 100), model.predict(1, 9, 100)
+    for _ in range(50):
+        verifier.observe_step(1, 1, 100, plain)  # plain steps as predicted
+        verifier.observe_step(1, 9, 100, plain + 20 * (full - plain), num_drafting=0, verified=True)
+    p, v = verifier.cost_corrections
+    assert p == pytest.approx(1.0) and v == pytest.approx(8.0)
+    assert verifier.choose(confident, [100]) == [0]
