@@ -105,15 +105,17 @@ class AdaptiveVerifier:
     Not thread-safe; one instance per engine core, called once per step.
     """
 
-    def __init__(self, cost_model: StepCostModel, num_speculative_tokens: int, *, ema: float = 0.1) -> None:
+    def __init__(self, cost_model: StepCostModel, num_speculative_tokens: int, *, ema: float = 0.1,
+                 correct_with_step_times: bool = True) -> None:
         """`num_speculative_tokens` (k >= 1): the most drafts per request; `ema` in (0, 1]: the weight of the newest
-        step in the per-position averages."""
+        step in the per-position averages; `correct_with_step_times`: `observe_step` corrects the cost model (False:
+        decisions depend only on the cost model and the drafts, not on the machine's timing: tests)."""
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be an int >= 1")
         if not 0.0 < ema <= 1.0:
             raise ValueError(f"ema={ema!r} must be in (0, 1]")
-        self.cost_model = cost_model
+        self.cost_model, self.correct_with_step_times = cost_model, correct_with_step_times
         self._k = num_speculative_tokens
         self._weight = float(ema)
         self._accept_ema: list[float | None] = [None] * num_speculative_tokens
@@ -266,7 +268,7 @@ class AdaptiveVerifier:
         in it): the cost model measured at start-up times only the forward, so the ratio of real to predicted time
         (an EMA, clamped to [1/4, 8]) corrects it, separately for steps that verified drafts and for the others.
         `num_drafting`: requests the workers drafted for after the step (their drafter time is in `seconds`)."""
-        if num_seqs <= 0 or seconds <= 0:
+        if num_seqs <= 0 or seconds <= 0 or not self.correct_with_step_times:
             return
         predicted = self.cost_model.predict(num_seqs, num_tokens, context_len)
         if num_drafting:
