@@ -154,7 +154,8 @@ class EngineCore:
 
     def _measure_costs(self, k: int) -> StepCostModel:
         """Adaptive verification's cost model: verification steps timed on the workers (batch sizes in powers of two
-        up to `max_num_seqs`, 1 or k + 1 tokens per sequence, a short and a long context) and the drafter's forward,
+        up to `max_num_seqs`; 1, 2, 4 and k + 1 tokens per sequence, since the first verified draft costs more than
+        the next ones; a short and a long context) and the drafter's forward,
         before any request. Logged as JSON."""
         start = time.perf_counter()
         sc, usage, block_size = self.config.scheduler, self.cache.usage(), self.config.cache.block_size
@@ -164,7 +165,7 @@ class EngineCore:
         batch = [b for b in batch if b * (k + 1) <= sc.max_num_batched_tokens] or [1]
         self.executor.time_step(batch[-1], k + 1, contexts[-1])  # warm-up: first calls allocate
         model = measure_cost_model(lambda b, t, c: self.executor.time_step(b, t // b, c), batch_sizes=batch,
-                                   query_lens=[1, k + 1], context_lens=contexts, time_draft=self.executor.time_draft)
+                                   query_lens=sorted({1, 2, min(4, k + 1), k + 1}), context_lens=contexts, time_draft=self.executor.time_draft)
         logger.info("adaptive verification: step costs measured in %.1f s: %s", time.perf_counter() - start,
                     json.dumps(model.to_json()))
         return model
