@@ -78,6 +78,12 @@ def _carry_forward(values: Sequence[float | None]) -> list[float] | None:
     return out
 
 
+VERIFY_MARGIN = 1.05
+"""`choose` verifies drafts only where the expected rate beats verifying none by this factor: the cost model's
+errors (noise, the start-up measurement missing per-step overheads) must not turn small predicted wins into losses."""
+DRAFT_MARGIN = 1.15
+"""`should_draft` keeps drafting only where the best expected rate with drafting beats plain decoding by this factor
+(drafting itself is paid on every step)."""
 IDLE_STEPS = 8
 """Consecutive steps whose drafts were all refused after which drafting pauses (see `should_draft`)."""
 PROBE_INTERVAL = 32
@@ -209,7 +215,9 @@ class AdaptiveVerifier:
         overhead = self.cost_model.predict_draft(num_spec) if drafting else 0.0
         base_query_tokens = num_spec + num_other_tokens
         seconds = self._corrected(curve.many(base_query_tokens + np.arange(gains.size + 1)) + overhead)
-        total, _ = scan_totals(gains[order], seconds, base_tokens=base_query_tokens)
+        total, rate = scan_totals(gains[order], seconds, base_tokens=base_query_tokens)
+        if total and rate < VERIFY_MARGIN * base_query_tokens / seconds[0]:
+            total = 0
         chosen = np.bincount(requests[order[:total]], minlength=num_spec).tolist()
         self.stats.num_steps += 1
         self.stats.num_offered_positions += int(gains.size)
@@ -246,9 +254,9 @@ class AdaptiveVerifier:
         plain_rate = base / (seconds[0] * self._plain_ratio)
         drafting = self._corrected(seconds + self.cost_model.predict_draft(num_seqs))
         _, best_rate = scan_totals(gains, drafting, base_tokens=base)
-        if best_rate > plain_rate and self._idle_steps < IDLE_STEPS:
+        if best_rate > DRAFT_MARGIN * plain_rate and self._idle_steps < IDLE_STEPS:
             return True
-        if best_rate > plain_rate:
+        if best_rate > DRAFT_MARGIN * plain_rate:
             self._since_probe += 1
             if self._since_probe >= PROBE_INTERVAL:
                 self._since_probe = 0

@@ -11,7 +11,14 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from deltaserve.spec_decode.adaptive import IDLE_STEPS, PROBE_INTERVAL, AdaptiveStats, AdaptiveVerifier, scan_totals
+from deltaserve.spec_decode.adaptive import (
+    IDLE_STEPS,
+    PROBE_INTERVAL,
+    VERIFY_MARGIN,
+    AdaptiveStats,
+    AdaptiveVerifier,
+    scan_totals,
+)
 from deltaserve.spec_decode.cost_model import MIN_STEP_SECONDS, StepCostModel, measure_cost_model
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -67,9 +74,12 @@ def expected_rate(model: StepCostModel, confidences: Sequence[Sequence[float]], 
 
 def brute_force(model: StepCostModel, confidences: Sequence[Sequence[float]], context_lens: Sequence[int],
                 **others: int) -> float:
-    """The best rate over every m vector (0 <= m_r <= n_r)."""
-    return max(expected_rate(model, confidences, context_lens, m, **others)
+    """The best rate over every m vector (0 <= m_r <= n_r); verifying none unless the best beats it by
+    VERIFY_MARGIN."""
+    best = max(expected_rate(model, confidences, context_lens, m, **others)
                for m in itertools.product(*(range(len(c) + 1) for c in confidences)))
+    none = expected_rate(model, confidences, context_lens, [0] * len(confidences), **others)
+    return best if best >= VERIFY_MARGIN * none else none
 
 
 def observe_steps(verifier: AdaptiveVerifier, rate: float, *, steps: int = 50, batch: int = 40,
