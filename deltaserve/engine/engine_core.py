@@ -165,7 +165,8 @@ class EngineCore:
         batch = [b for b in batch if b * (k + 1) <= sc.max_num_batched_tokens] or [1]
         self.executor.time_step(batch[-1], k + 1, contexts[-1])  # warm-up: first calls allocate
         model = measure_cost_model(lambda b, t, c: self.executor.time_step(b, t // b, c), batch_sizes=batch,
-                                   query_lens=sorted({1, 2, min(4, k + 1), k + 1}), context_lens=contexts, time_draft=self.executor.time_draft)
+                                   query_lens=sorted({1, 2, min(4, k + 1), k + 1}), context_lens=contexts,
+                                   time_draft=self.executor.time_draft)
         logger.info("adaptive verification: step costs measured in %.1f s: %s", time.perf_counter() - start,
                     json.dumps(model.to_json()))
         return model

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from deltaserve.spec_decode.cost_model import StepCostModel
+from deltaserve.spec_decode.cost_model import CostCurve, StepCostModel
 
 
 @dataclass(slots=True)
@@ -84,6 +84,8 @@ errors (noise, the start-up measurement missing per-step overheads) must not tur
 DRAFT_MARGIN = 1.15
 """`should_draft` keeps drafting only where the best expected rate with drafting beats plain decoding by this factor
 (drafting itself is paid on every step)."""
+CONTEXT_BUCKET = 64
+"""Context lengths are rounded down to a multiple of this many tokens for the cost model's curves (cached)."""
 IDLE_STEPS = 8
 """Consecutive steps whose drafts were all refused after which drafting pauses (see `should_draft`)."""
 PROBE_INTERVAL = 32
@@ -132,6 +134,7 @@ class AdaptiveVerifier:
         self.stats = AdaptiveStats()
         self._idle_steps = 0
         """Consecutive `choose` calls that verified nothing."""
+        self._curves: dict[tuple[int, int], CostCurve] = {}
         self._plain_ema: float | None = None
         """Real / predicted seconds of steps that verified nothing (None: none seen yet)."""
         self._verify_ema: float | None = None
@@ -211,7 +214,7 @@ class AdaptiveVerifier:
         # Best first; ties: earlier positions first (keeps prefixes), then spread across requests.
         order = np.lexsort((requests, positions, -gains))
         num_seqs = num_spec + num_other_seqs
-        curve = self.cost_model.cost_curve(num_seqs, round(sum(context_lens) / num_spec))
+        curve = self._curve(num_seqs, round(sum(context_lens) / num_spec))
         overhead = self.cost_model.predict_draft(num_spec) if drafting else 0.0
         base_query_tokens = num_spec + num_other_tokens
         seconds = self._corrected(curve.many(base_query_tokens + np.arange(gains.size + 1)) + overhead)
@@ -248,7 +251,7 @@ class AdaptiveVerifier:
         # Every request's position j before any position j + 1 (all requests alike).
         gains = np.repeat(np.cumprod(_clamp01(np.asarray(rates, dtype=np.float64))), num_seqs)
         batch = num_seqs + num_other_seqs
-        curve = self.cost_model.cost_curve(batch, context_len)
+        curve = self._curve(batch, context_len)
         seconds = curve.many(num_seqs + num_other_tokens + np.arange(gains.size + 1))
         base = num_seqs + num_other_tokens
         plain_rate = base / (seconds[0] * self._plain_ratio)
@@ -264,6 +267,17 @@ class AdaptiveVerifier:
         self.stats.num_draft_off_steps += 1
         return False
 
+    def _curve(self, num_seqs: int, context_len: int) -> CostCurve:
+        """The cost model's curve at this batch size and context, cached (the context to CONTEXT_BUCKET tokens: a
+        decision costs a dictionary lookup, not an interpolation, on every step)."""
+        key = (num_seqs, context_len // CONTEXT_BUCKET)
+        curve = self._curves.get(key)
+        if curve is None:
+            if len(self._curves) >= 4096:
+                self._curves.clear()
+            curve = self._curves[key] = self.cost_model.cost_curve(num_seqs, key[1] * CONTEXT_BUCKET)
+        return curve
+
     def _corrected(self, seconds: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """Predicted step seconds for 0, 1, 2, ... verified drafts, corrected by what real steps took: the plain
         part by the plain steps' ratio, the verification part by the verifying steps' ratio."""
@@ -278,15 +292,16 @@ class AdaptiveVerifier:
         `num_drafting`: requests the workers drafted for after the step (their drafter time is in `seconds`)."""
         if num_seqs <= 0 or seconds <= 0 or not self.correct_with_step_times:
             return
-        predicted = self.cost_model.predict(num_seqs, num_tokens, context_len)
+        curve = self._curve(num_seqs, context_len)
+        predicted, plain = curve(num_tokens), curve(num_seqs)
         if num_drafting:
             predicted += self.cost_model.predict_draft(num_drafting)
         if not verified:
             self._plain_ema = _ema(self._plain_ema, min(max(seconds / predicted, 0.25), 8.0), self._weight)
             return
         # The step's plain part at the plain ratio; what is left is the verification's.
-        base = self.cost_model.predict(num_seqs, num_seqs, context_len) * self._plain_ratio
-        extra = predicted - self.cost_model.predict(num_seqs, num_seqs, context_len)
+        base = plain * self._plain_ratio
+        extra = predicted - plain
         if extra > 0:
             self._verify_ema = _ema(self._verify_ema, min(max((seconds - base) / extra, 0.25), 8.0), self._weight)
 
