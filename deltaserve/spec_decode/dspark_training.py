@@ -108,3 +108,21 @@ def acceptance_length(correct: torch.Tensor) -> float:
     """Greedy acceptance length of blocks: 1 (the token every step samples) + the drafts right before the first
     wrong one, averaged."""
     return 1.0 + correct.int().cumprod(dim=1).sum(dim=1).float().mean().item()
+
+
+def fit(drafter: DSparkDrafter, sequences: Sequence[FeatureSequence], embed: torch.Tensor, head: torch.Tensor,
+        steps: int, lr: float = 3e-3) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` AdamW steps on every anchor of `sequences` at once (small fits: tests' drafters for tiny
+    checkpoints), through the target's fp32 embedding and LM head weights; returns the final (correct [A, k],
+    real [A, k]) of those anchors."""
+    batch = training_batch(sequences, [(s, n) for s, seq in enumerate(sequences) for n in seq.anchors()],
+                           drafter.config)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    for _ in range(steps):
+        loss, _, _ = drafter_loss(drafter, batch, embed, head)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        _, correct, real = drafter_loss(drafter, batch, embed, head)
+    return correct, real

@@ -25,9 +25,8 @@ from deltaserve.spec_decode.cost_model import StepCostModel
 from deltaserve.spec_decode.dspark import BlockDraftProposer
 from deltaserve.spec_decode.dspark_training import (
     acceptance_length,
-    drafter_loss,
+    fit,
     sequence_features,
-    training_batch,
 )
 from tests.helpers import prompt_ids
 from tests.spec_decode.test_spec_identity import (
@@ -50,13 +49,7 @@ def small_config(vocab: int, hidden: int, **kw) -> DSparkConfig:
                         intermediate_size=128, block_size=K, context_window=8, **kw)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a loaded two-core machine the runs take seconds, not minutes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +70,8 @@ def fitted_drafter(base, tmp_path_factory) -> str:
     dcfg = small_config(cfg.vocab_size, cfg.hidden_size)
     seqs = sequence_features(target, [(prompt + plain.tokens[rid], len(prompt))
                                       for rid, (prompt, _) in requests(base).items()], TAPS, dcfg.context_window)
-    batch = training_batch(seqs, [(s, n) for s, seq in enumerate(seqs) for n in seq.anchors()], dcfg)
     drafter = DSparkDrafter(dcfg).init_for_training()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    embed, head = target.embed_tokens.float(), target.lm_head.float()
-    for _ in range(FIT_STEPS):
-        loss, _, _ = drafter_loss(drafter, batch, embed, head)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    _, correct, _ = drafter_loss(drafter, batch, embed, head)
+    correct, _ = fit(drafter, seqs, target.embed_tokens.float(), target.lm_head.float(), FIT_STEPS)
     assert acceptance_length(correct) > 2.0, "the fit failed: the engine runs would not cover accepted drafts"
     out = tmp_path_factory.mktemp("drafter")
     drafter.save(out)

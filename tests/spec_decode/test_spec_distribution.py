@@ -34,7 +34,7 @@ from deltaserve.models.loader import load_model
 from deltaserve.request import Request
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.spec_decode import Proposal
-from deltaserve.spec_decode.dspark_training import drafter_loss, sequence_features, training_batch
+from deltaserve.spec_decode.dspark_training import fit, sequence_features
 from deltaserve.spec_decode.metrics import SpecDecodeStats
 from tests.helpers import prompt_ids
 
@@ -191,6 +191,11 @@ def check_same_distribution(path: str, plain: list[list[int]], k: int, condition
     vocab = ModelConfig.from_pretrained(path).vocab_size
     core = EngineCore(engine_config(path), proposer=SampledDraftProposer(make_draft(plain, vocab, conditional), k,
                                                                          seed=11))
+    compare_run(core, plain, k)
+
+
+def compare_run(core: EngineCore, plain: list[list[int]], k: int) -> None:
+    """Seeds 100000.. through `core` (shut down after), compared with `plain` (`compare`)."""
     try:
         spec = run(core, prompt(), range(100_000, 100_000 + len(plain)), len(plain[0]))
     finally:
@@ -227,26 +232,10 @@ def fit_drafter(path: str, plain: list[list[int]], out: Path, k: int) -> str:
                         intermediate_size=128, block_size=k, context_window=4)
     seqs = sequence_features(target, [(prompt() + t, PROMPT_LEN) for t in plain[:512]], dcfg.tap_layers,
                              dcfg.context_window)
-    batch = training_batch(seqs, [(s, n) for s, seq in enumerate(seqs) for n in seq.anchors()], dcfg)
     drafter = DSparkDrafter(dcfg).init_for_training()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    for _ in range(60):
-        loss, _, _ = drafter_loss(drafter, batch, target.embed_tokens.float(), target.lm_head.float())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    fit(drafter, seqs, target.embed_tokens.float(), target.lm_head.float(), 60)
     drafter.save(out)
     return str(out)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """One intra-op thread: every float (and so every sampled token) is the same whatever the machine's core count,
-    and on a loaded two-core machine the runs take seconds, not minutes (OpenMP threads waiting for each other)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -281,10 +270,4 @@ def test_block_drafter_keeps_the_distribution_of_the_first_tokens(path, plain, o
     config = dataclasses.replace(engine_config(path), speculative_config=SpeculativeConfig(
         method="dspark", num_speculative_tokens=k, model=drafter, rejection_sample_method=rejection,
         enable_adaptive_verification=False))
-    core = EngineCore(config)
-    try:
-        spec = run(core, prompt(), range(100_000, 100_000 + len(plain)), len(plain[0]))
-    finally:
-        core.shutdown()
-    assert core.proposer_hook is not None
-    compare(plain, spec, core.proposer_hook.stats, k)
+    compare_run(EngineCore(config), plain, k)
