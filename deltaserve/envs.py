@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def api_key() -> str | None:
@@ -41,6 +42,22 @@ def host_copy_overlap() -> bool | None:
 def triton_interpret() -> bool:
     """`TRITON_INTERPRET=1` (Triton's own variable): kernels run in Triton's interpreter, on the CPU (tests)."""
     return os.environ.get("TRITON_INTERPRET", "").strip() == "1"
+
+
+def native_kernels() -> bool:
+    """`DELTASERVE_NATIVE_KERNELS=0` turns the CPU's C kernels off (`deltaserve.ops.native_backend`): their ops then
+    run their PyTorch backends. On by default where a C compiler is found."""
+    return os.environ.get("DELTASERVE_NATIVE_KERNELS", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def native_cache_dir() -> Path:
+    """`DELTASERVE_NATIVE_CACHE`: where the C kernels are built to (default `$XDG_CACHE_HOME/deltaserve/native`, or
+    `~/.cache/deltaserve/native`)."""
+    value = os.environ.get("DELTASERVE_NATIVE_CACHE", "").strip()
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base) if base else Path.home() / ".cache") / "deltaserve" / "native"
 
 
 def ops_backend() -> str:

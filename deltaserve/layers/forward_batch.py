@@ -16,8 +16,9 @@ class ForwardBatch:
 
     Sequence i owns the new-token rows `cu_seqlens[i]:cu_seqlens[i+1]`; sequences `[0, num_decodes)` have exactly one
     new token each (so they are also rows `[0, num_decodes)`); the next `num_verifies` sequences are speculative
-    verify chunks (a sampled token and its proposals), which every layer runs token by token with the decode math, so
-    a verified token gets exactly the numbers plain decoding would give it; the rest are prefill chunks.
+    verify chunks (a sampled token and its proposals), which every layer runs with the decode math, token after token
+    (`kda_verify`, `short_conv_verify`; MLA as decode rows), so a verified token gets exactly the numbers plain decoding
+    would give it; the rest are prefill chunks.
     """
 
     cu_seqlens: torch.Tensor
@@ -75,13 +76,10 @@ class ForwardBatch:
         cu = self.cu_seqlens_host[self.num_decode_like :]
         return [x - cu[0] for x in cu]
 
-    def verify_steps(self) -> list[tuple[list[int], list[int]]]:
-        """The verify chunks token by token: for t = 0, 1, ..., (verify sequence indices with a token t, their rows).
-        Sequence indices count from the first verify sequence."""
-        cu, first = self.cu_seqlens_host, self.num_decodes
-        lens = [cu[first + i + 1] - cu[first + i] for i in range(self.num_verifies)]
-        return [([i for i, n in enumerate(lens) if n > t], [cu[first + i] + t for i, n in enumerate(lens) if n > t])
-                for t in range(max(lens, default=0))]
+    def verify_cu_seqlens_host(self) -> list[int]:
+        """Offsets of the verify chunks' rows on the host, relative to the first verify row."""
+        cu = self.cu_seqlens_host[self.num_decodes:self.num_decode_like + 1]
+        return [x - cu[0] for x in cu]
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -11,9 +9,9 @@ from deltaserve.config import KDAConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard, shard_range, split_along
 from deltaserve.layers.forward_batch import ForwardBatch, KDALayerCache
 from deltaserve.layers.linear import FusedLinear, Linear, NormWeight
-from deltaserve.ops.kda import kda_decode, kda_gate, kda_prefill
+from deltaserve.ops.kda import kda_decode, kda_gate, kda_prefill, kda_verify
 from deltaserve.ops.norm import gated_rms_norm
-from deltaserve.ops.short_conv import short_conv_decode, short_conv_prefill
+from deltaserve.ops.short_conv import short_conv_decode, short_conv_prefill, short_conv_verify
 
 PREFILL_CHUNK = 16
 """Chunk length of the chunked prefill. On CPU 16 beat 64 by 20-25% for batches of many prompts (32 x 256 tokens:
@@ -92,11 +90,12 @@ class KDAttention(nn.Module):
         ckpt_pos, ckpt_slots = batch.checkpoint_positions, batch.checkpoint_slots
         parts = []
         decode_slots = batch.decode_slot_range if batch.decode_slot_range is not None else batch.state_indices[:nd]
+        verify = (batch.state_indices[nd:batch.num_decode_like], batch.verify_cu_seqlens_host(),
+                  batch.verify_scratch_slots)
         if nd:
             parts.append(short_conv_decode(mixed[:nd], conv_w, cache.conv, decode_slots))
         if batch.num_verifies:
-            parts.append(_verify(lambda rows, slots: short_conv_decode(mixed[rows], conv_w, cache.conv, slots),
-                                 mixed[nd:nr], cache.conv, batch))
+            parts.append(short_conv_verify(mixed[nd:nr], conv_w, cache.conv, *verify))
         if nr < t:
             parts.append(
                 short_conv_prefill(
@@ -117,9 +116,7 @@ class KDAttention(nn.Module):
         if nd:
             outs.append(kda_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], cache.state, decode_slots))
         if batch.num_verifies:
-            outs.append(_verify(
-                lambda rows, slots: kda_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], cache.state, slots),
-                v[nd:nr], cache.state, batch))
+            outs.append(kda_verify(q[nd:nr], k[nd:nr], v[nd:nr], g[nd:nr], beta[nd:nr], cache.state, *verify))
         if nr < t:
             outs.append(
                 kda_prefill(
@@ -134,31 +131,3 @@ class KDAttention(nn.Module):
         o = gated_rms_norm(o, gate.view(t, h, cfg.head_dim), self.o_norm.weight, self.eps)
         return self.o_proj(o.reshape(t, self.proj_dim))
 
-
-def _verify(decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], like: torch.Tensor, pool: torch.Tensor,
-            batch: ForwardBatch) -> torch.Tensor:
-    """Run the verify chunks token by token with a decode op (`decode(rows, slots)` updates the pool's slots in place
-    and returns the rows' outputs), copying each sequence's slot to its scratch slot after each of its first tokens.
-
-    The same op as plain decoding, on the same state: a verified token's numbers are those a decode step would give.
-    `like`: the verify rows of any tensor with the output's row count, dtype and device. Returns the rows' outputs."""
-    nd, first_row = batch.num_decodes, batch.cu_seqlens_host[batch.num_decodes]
-    out: torch.Tensor | None = None
-    slots_of = batch.state_indices[nd:nd + batch.num_verifies]
-    for step, (seqs, rows) in enumerate(batch.verify_steps()):
-        idx = torch.tensor(rows, device=like.device)
-        result = decode(idx, slots_of[torch.tensor(seqs, device=like.device)])
-        if out is None:
-            out = result.new_empty(like.shape[0], *result.shape[1:])
-        out[idx - first_row] = result
-        src, dst = [], []
-        for i in seqs:
-            scratch = batch.verify_scratch_slots[i]
-            if step < len(scratch):
-                src.append(i)
-                dst.append(scratch[step])
-        if src:
-            pool.index_copy_(0, torch.tensor(dst, device=pool.device),
-                             pool.index_select(0, slots_of[torch.tensor(src, device=pool.device)]))
-    assert out is not None
-    return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deltaserve.ops import dispatch
-from deltaserve.ops.short_conv import cpu, ref
+from deltaserve.ops.short_conv import cpu, native, ref
 from tests.ops.test_short_conv import SENTINEL, WIDTH, assert_close, assert_slots_untouched
 
 CHANNELS = 37
@@ -117,9 +117,12 @@ def test_short_conv_cpu_unknown_activation() -> None:
 
 
 def test_short_conv_dispatch_selects_cpu() -> None:
-    """CPU fp32 and bf16 calls dispatch to the cpu backend, fp64 calls to the reference (prefill and decode)."""
+    """CPU fp32 and bf16 calls dispatch to the cpu backend (decodes to the C kernel where it builds), fp64 calls to
+    the reference (prefill and decode)."""
     prefill, decode = dispatch.get("short_conv_prefill"), dispatch.get("short_conv_decode")
-    for dtype, expected in ((torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.float64, "ref")):
+    fast = "native" if native.available() else "cpu"
+    for dtype, expected, expected_decode in ((torch.float32, "cpu", fast), (torch.bfloat16, "cpu", fast),
+                                             (torch.float64, "ref", "ref")):
         x, weight, pool = inputs(torch.Generator().manual_seed(6), dtype, dtype)
         assert prefill.select(x, weight, pool, torch.tensor(SLOTS), cu_of(LENS)) == expected, dtype
-        assert decode.select(x[:2], weight, pool, torch.tensor([0, 1])) == expected, dtype
+        assert decode.select(x[:2], weight, pool, torch.tensor([0, 1])) == expected_decode, dtype

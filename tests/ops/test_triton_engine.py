@@ -108,10 +108,14 @@ print(" ".join(picked))
 
 def test_dispatch_picks_the_kernels_on_cuda_and_the_cpu_backends_on_a_cpu():
     """With the kernels compiled (no interpreter) on an emulated CUDA device: bf16 and fp32 go to the kernels (MoE:
-    K3's MXFP4 experts with SiTU), fp64 to the references, CPU tensors to the CPU backends (MoE: the reference). In a
-    subprocess: the emulator and the interpreter setting are process-wide."""
+    K3's MXFP4 experts with SiTU), fp64 to the references, CPU tensors to the CPU backends (KDA decode: the C kernel
+    where it builds; MoE: the reference). In a subprocess: the emulator and the interpreter setting are
+    process-wide."""
+    from deltaserve.ops.kda import native
+
+    cpu_kda = "native" if native.available() else "cpu"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DELTASERVE_OPS_BACKEND")}
     res = subprocess.run([sys.executable, "-c", SELECT], capture_output=True, text=True, env=env, timeout=300,
                          cwd=Path(__file__).resolve().parents[2])
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["triton/triton/triton", "triton/triton/triton", "ref/ref/ref", "cpu/cpu/ref"]
+    assert res.stdout.split() == ["triton/triton/triton", "triton/triton/triton", "ref/ref/ref", f"cpu/{cpu_kda}/ref"]
