@@ -137,9 +137,9 @@ def test_log_backends_reports_ref_where_nothing_else_exists(caplog: pytest.LogCa
     fast = {name: names for name, names in table.items() if names != ("ref",)}
     assert fast == {name: (*(b.name for b in dispatch.get(name).backends if b.available() and not b.forced_only()),
                            "ref") for name in fast}
-    assert table["moe_experts"] == ("sorted", "ref")
+    assert table["moe_experts"] == ("sorted", "cpu_dense", "ref")
     assert table["rms_norm"] == ("ref",)
-    assert len(caplog.records) == 1 and "moe_experts=sorted>ref" in caplog.records[0].getMessage()
+    assert len(caplog.records) == 1 and "moe_experts=sorted>cpu_dense>ref" in caplog.records[0].getMessage()
 
 
 def test_a_forced_only_backend_runs_only_when_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from deltaserve.layers.linear import prepack_weights
 from deltaserve.models.loader import load_model
+from deltaserve.ops import dispatch
 from deltaserve.ops.linear import can_pack, linear, onednn, pack, ref
 from tests.helpers import full_logits, prompt_ids
 
@@ -64,10 +65,13 @@ def test_only_bf16_cpu_matrices_are_packed():
 
 @needs_onednn
 @pytest.mark.parametrize("variant", ["base", "qlora-2shared-bsmoe", "odd-sizes", "k3"])
-def test_prepacked_model_gives_the_same_logits(tiny_dir, variant):
+def test_prepacked_model_gives_the_same_logits(tiny_dir, variant, default_dispatch):
     """A bf16 model after `prepack_weights` computes the logits of the unpacked model exactly: every linear, the
     per-expert packed MoE stacks (looped over the experts with tokens) and the LM head; MLA's `kv_b` (read directly)
-    and MXFP4 experts stay as loaded."""
+    and MXFP4 experts stay as loaded. Both MoEs loop over the experts (the plain stacks would otherwise take the
+    every-expert `cpu_dense` path under these 40 tokens: other numbers, by design)."""
+    default_dispatch.setenv("DELTASERVE_OPS_BACKEND", "moe_experts=ref")
+    dispatch.reset()
     path = tiny_dir(variant)
     ids = prompt_ids(700, 40, seed=1)
     plain = load_model(path, dtype=torch.bfloat16)
