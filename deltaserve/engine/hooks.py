@@ -197,6 +197,8 @@ class ProposerHook:
         """A step took `seconds` in all: the verifier corrects its cost model with it."""
         if self.verifier is None or not out.chunks:
             return
+        if any(len(c.new_token_ids) > 1 + c.num_proposed for c in out.chunks):
+            return  # a prefill chunk: far outside the cost model's grid (1 to k + 1 tokens a row), no evidence
         sampling = [c for c in out.chunks if c.sample]
         context = round(sum(c.num_computed_tokens for c in out.chunks) / len(out.chunks))
         self.verifier.observe_step(len(out.chunks), out.num_tokens, context, seconds,

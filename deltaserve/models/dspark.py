@@ -202,6 +202,12 @@ def drafter_weight_bytes(cfg: DSparkConfig, element_size: int) -> int:
         return sum(p.numel() for p in DSparkDrafter(cfg).parameters()) * element_size
 
 
+def request_bytes(cfg: DSparkConfig, element_size: int) -> int:
+    """Bytes one request holds on a worker: its feature window (`element_size` bytes per value) and its kept fp32
+    draft distributions (one per block row)."""
+    return cfg.context_window * cfg.feature_size * element_size + cfg.block_size * cfg.vocab_size * 4
+
+
 def draft_logits(drafter: DSparkDrafter, features: torch.Tensor, valid: torch.Tensor, first_tokens: torch.Tensor,
                  embed: Callable[[torch.Tensor], torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor],
                  num_drafts: int | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.models.dspark import DSparkDrafter, draft_logits
+from deltaserve.models.dspark import DSparkDrafter, draft_logits, request_bytes
 from deltaserve.models.protocol import Model
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.runner.draft_distribution import draft_distribution, draft_seed
@@ -194,6 +194,4 @@ class BlockDrafting:
     @property
     def bytes_per_request(self) -> int:
         """Memory one request holds here: its feature window and its kept draft distributions."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        vocab = self.drafter.config.vocab_size
-        return self.window * self.feature_size * elem + self.block_size * vocab * 4
+        return request_bytes(self.drafter.config, torch.tensor([], dtype=self.dtype).element_size())

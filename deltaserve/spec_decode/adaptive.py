@@ -86,9 +86,9 @@ DRAFT_MARGIN = 1.15
 (drafting itself is paid on every step)."""
 CONTEXT_BUCKET = 64
 """Context lengths are rounded down to a multiple of this many tokens for the cost model's curves (cached)."""
-IDLE_STEPS = 8
+IDLE_STEPS = 16
 """Consecutive steps whose drafts were all refused after which drafting pauses (see `should_draft`)."""
-PROBE_INTERVAL = 32
+PROBE_INTERVAL = 8
 """While paused, one step in this many drafts again, to see whether its drafts now pay."""
 
 
@@ -106,7 +106,8 @@ class AdaptiveVerifier:
     rounded.
 
     Calibration: the drafter's confidences are scaled, per position j, by ``ema(accepted / offered) / ema(mean
-    confidence offered)`` observed in real steps (`observe`), then clamped to [0, 1]. "Offered at j" counts requests
+    confidence offered)`` observed in real steps (`observe`; both averages start at the first step's mean confidence,
+    a prior of scale 1 worth one step), then clamped to [0, 1]. "Offered at j" counts requests
     that verified position j *and* had every earlier draft accepted: a draft after a rejection is never judged.
     Positions never observed borrow the nearest earlier position's statistics; with none, scales are 1.
 
@@ -294,13 +295,13 @@ class AdaptiveVerifier:
             return
         curve = self._curve(num_seqs, context_len)
         predicted, plain = curve(num_tokens), curve(num_seqs)
-        if num_drafting:
-            predicted += self.cost_model.predict_draft(num_drafting)
+        draft = self.cost_model.predict_draft(num_drafting) if num_drafting else 0.0
         if not verified:
-            self._plain_ema = _ema(self._plain_ema, min(max(seconds / predicted, 0.25), 8.0), self._weight)
+            self._plain_ema = _ema(self._plain_ema, min(max(seconds / (predicted + draft), 0.25), 8.0), self._weight)
             return
-        # The step's plain part at the plain ratio; what is left is the verification's.
-        base = plain * self._plain_ratio
+        # The step's plain part at the plain ratio and the drafter as predicted, as `_corrected` prices a choice;
+        # what is left is the verification's (its extra tokens' share of the forward, scaled by this ratio).
+        base = plain * self._plain_ratio + draft
         extra = predicted - plain
         if extra > 0:
             self._verify_ema = _ema(self._verify_ema, min(max((seconds - base) / extra, 0.25), 8.0), self._weight)
@@ -341,5 +342,11 @@ class AdaptiveVerifier:
         for j in range(self._k):
             if num_reached[j] == 0:  # nor any later position: reaching j + 1 needs reaching j
                 break
-            self._accept_ema[j] = _ema(self._accept_ema[j], float(num_kept[j] / num_reached[j]), self._weight)
-            self._conf_ema[j] = _ema(self._conf_ema[j], float(conf_sum[j] / num_reached[j]), self._weight)
+            mean_conf = float(conf_sum[j] / num_reached[j])
+            # A position's averages start at the drafter's own confidence (scale 1), as if one step had seen it
+            # accepted as often as it claimed: one rejected draft must not zero its scale, which would stop the
+            # position (and every later one) from being verified, and so from ever being judged again.
+            self._accept_ema[j] = _ema(mean_conf if self._accept_ema[j] is None else self._accept_ema[j],
+                                       float(num_kept[j] / num_reached[j]), self._weight)
+            self._conf_ema[j] = _ema(mean_conf if self._conf_ema[j] is None else self._conf_ema[j], mean_conf,
+                                     self._weight)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from deltaserve.config import EngineConfig, ModelConfig
-from deltaserve.models.dspark import DSparkConfig, drafter_weight_bytes, resolve_drafter_path
+from deltaserve.models.dspark import DSparkConfig, drafter_weight_bytes, request_bytes, resolve_drafter_path
 from deltaserve.request import Request
 from deltaserve.scheduler.output import BlockDraft
 from deltaserve.spec_decode.proposer import Proposal
@@ -45,7 +45,7 @@ class BlockDraftProposer:
         self.k, self.config = num_speculative_tokens, cfg
         elem = torch.tensor([], dtype=getattr(torch, engine.dtype)).element_size()
         self.weight_bytes = drafter_weight_bytes(cfg, elem)
-        self.bytes_per_seq = cfg.context_window * cfg.feature_size * elem + cfg.block_size * cfg.vocab_size * 4
+        self.bytes_per_seq = request_bytes(cfg, elem)
         self.max_num_seqs = engine.scheduler.max_num_seqs
         self._drafts: dict[str, BlockDraft] = {}
 

@@ -230,21 +230,35 @@ def test_observe_counts_only_reached_positions():
 
 def test_calibration_scales_overconfident_and_underconfident_drafters():
     """Confidence 0.9 accepted 45% of the time scales by 0.5; confidence 0.4 accepted 80% scales by 2 and clamps at
-    1; unobserved positions borrow the last observed scale; the EMA moves by `ema` per step."""
+    1; unobserved positions borrow the last observed scale; the averages start at the drafter's own confidence (scale
+    1, one step's worth) and move by `ema` per step."""
     over = AdaptiveVerifier(grid_model(memory_bound), 2)
     assert over.calibrate([0.9, 0.6]) == [0.9, 0.6]  # nothing observed: unscaled
     over.observe([1] * 20, [1] * 9 + [0] * 11, [[0.9, 0.9]] * 20)
-    assert over.calibration_scales == pytest.approx((0.5, 0.5))
-    assert over.calibrate([0.9, 0.6]) == pytest.approx([0.45, 0.3])
-    assert over.calibrate([1.5, float("nan")]) == pytest.approx([0.5, 0.0])  # inputs clamped first
+    assert over.calibration_scales == pytest.approx((0.95, 0.95))  # (0.9 * 0.9 + 0.1 * 0.45) / 0.9: one step moves
+    for _ in range(80):
+        over.observe([1] * 20, [1] * 9 + [0] * 11, [[0.9, 0.9]] * 20)
+    assert over.calibration_scales == pytest.approx((0.5, 0.5), abs=1e-3)
+    assert over.calibrate([0.9, 0.6]) == pytest.approx([0.45, 0.3], abs=1e-3)
+    assert over.calibrate([1.5, float("nan")]) == pytest.approx([0.5, 0.0], abs=1e-3)  # inputs clamped first
 
     under = AdaptiveVerifier(grid_model(memory_bound), 1, ema=0.5)
-    under.observe([1] * 10, [1] * 8 + [0] * 2, [[0.4]] * 10)
-    assert under.calibrate([0.3]) == pytest.approx([0.6])
-    assert under.calibrate([0.7]) == [1.0]
-    under.observe([1] * 10, [0] * 10, [[0.4]] * 10)  # acceptance EMA 0.8 -> 0.4
-    assert under.acceptance_rates == pytest.approx((0.4,))
-    assert under.calibration_scales == pytest.approx((1.0,))
+    under.observe([1] * 10, [1] * 8 + [0] * 2, [[0.4]] * 10)  # acceptance 0.4 (prior) -> 0.6
+    assert under.calibrate([0.3]) == pytest.approx([0.45])
+    under.observe([1] * 10, [1] * 8 + [0] * 2, [[0.4]] * 10)  # -> 0.7
+    assert under.calibrate([0.6]) == [1.0]
+    under.observe([1] * 10, [0] * 10, [[0.4]] * 10)  # -> 0.35
+    assert under.acceptance_rates == pytest.approx((0.35,))
+    assert under.calibration_scales == pytest.approx((0.875,))
+
+
+def test_one_rejection_does_not_stop_a_position_from_being_verified():
+    """A single rejected draft at position 1 lowers its scale by `ema`, not to 0: the verifier still verifies it (a
+    zero scale would have stopped position 1 and every later one for good, since only verified drafts are judged)."""
+    verifier = AdaptiveVerifier(grid_model(memory_bound), 3)
+    verifier.observe([3], [1], [[0.8, 0.7, 0.6]])  # position 0 accepted, position 1 rejected, position 2 not reached
+    assert verifier.calibration_scales[1] == pytest.approx(0.9)
+    assert verifier.choose([[0.8, 0.7, 0.6]], [10]) == [3]
 
 
 def test_calibration_changes_the_choice():
@@ -421,3 +435,23 @@ def test_real_step_times_correct_the_cost_model():
     p, v = verifier.cost_corrections
     assert p == pytest.approx(1.0) and v == pytest.approx(8.0)
     assert verifier.choose(confident, [100]) == [0]
+
+
+def test_prefill_steps_do_not_correct_the_cost_model():
+    """A step with a prefill chunk is far outside the start-up grid (1 to k + 1 tokens a row): its time says nothing
+    of decode or verify costs, so the engine's hook does not feed it to the verifier (a 200-token prefill once
+    clamped the plain ratio to 1/4, after which no verification ever paid); a decode step does correct it."""
+    from deltaserve.engine.hooks import ProposerHook
+    from deltaserve.scheduler.output import ScheduledChunk, SchedulerOutput
+
+    verifier = AdaptiveVerifier(grid_model(lambda b, q, c: 0.010 + 1e-3 * q), 4)
+    hook = ProposerHook(None, None, {}, verifier=verifier)  # type: ignore[arg-type]  # observe_step needs neither
+
+    def chunk(tokens: int) -> ScheduledChunk:
+        return ScheduledChunk(request_id="r", new_token_ids=[1] * tokens, num_computed_tokens=100, state_slot=0,
+                              block_ids=[0])
+
+    hook.observe_step(SchedulerOutput(chunks=[chunk(200)]), 0.05)
+    assert verifier.cost_corrections == (1.0, 1.0)
+    hook.observe_step(SchedulerOutput(chunks=[chunk(1)]), 0.022)  # twice the predicted 11 ms
+    assert verifier.cost_corrections[0] == pytest.approx(2.0)
