@@ -208,6 +208,7 @@ def _make_side(name: str, args: SpecBenchArgs, model: str, max_num_seqs: int, sp
     from deltaserve.entrypoints.llm import LLM
 
     llm = LLM(model=model, dtype=args.dtype, device=args.device, seed=args.seed, speculative_config=spec,
+              num_threads=args.num_threads,
               max_num_seqs=max_num_seqs, cache_memory=args.cache_memory, enable_prefix_caching=False)
     hook = llm.engine.proposer_hook
     timer = None

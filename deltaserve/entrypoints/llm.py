@@ -73,6 +73,7 @@ class LLM:
         max_model_len: cap on prompt + output tokens (defaults to the model's own limit).
         seed: seed of the generator shared by unseeded sampling requests.
         structured_output_backend: "llguidance" (default) or "xgrammar", for `SamplingParams.structured`.
+        num_threads: torch threads of the engine (`--num-threads`; default: sized from the CPU affinity).
         speculative_config: speculative decoding, as a dict, its JSON text (vLLM's keys, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 3}``) or a `SpeculativeConfig`; none: plain decoding.
         kv_transfer_config: prefill/decode disaggregation (vLLM's `--kv-transfer-config` keys), as a dict, its
@@ -88,6 +89,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, structured_output_backend: str = "llguidance", device: str = "cpu",
+                 num_threads: int | None = None,
                  speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
                  kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
                  **engine_args: Any) -> None:
@@ -102,7 +104,7 @@ class LLM:
                              f"(supported: {sorted(cache_fields | sched_fields | parallel_fields)})")
         config = EngineConfig(
             model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
-            structured_output_backend=structured_output_backend,
+            num_threads=num_threads, structured_output_backend=structured_output_backend,
             cache=CacheConfig(**{k: v for k, v in engine_args.items() if k in cache_fields}),
             scheduler=SchedulerConfig(**{k: v for k, v in engine_args.items() if k in sched_fields}),
             parallel=ParallelConfig(**{k: v for k, v in engine_args.items() if k in parallel_fields}),
