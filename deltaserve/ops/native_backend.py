@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -103,3 +104,30 @@ def ptr(t: torch.Tensor) -> ctypes.c_void_p:
 def int64s(values: list[int]) -> torch.Tensor:
     """A host int64 tensor of `values` (kept alive by the caller while the kernel runs)."""
     return torch.tensor(values, dtype=torch.int64)
+
+
+Chunks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""What the recurrent kernels take to describe their rows: (slots [S], cu [S + 1], scratch slots flat, scratch_cu
+[S + 1]), host int64 tensors: chunk s owns rows cu[s]..cu[s+1] and state slot slots[s], and after its token t its
+state is also copied to scratch[scratch_cu[s] + t] while t < scratch_cu[s+1] - scratch_cu[s]."""
+
+
+def decode_chunks(num_rows: int, state_indices: torch.Tensor | slice) -> Chunks:
+    """Decode rows as chunks of one token each (no scratch), for a decode op's slots (a tensor or a slice)."""
+    if isinstance(state_indices, slice):
+        start = state_indices.start or 0
+        slots = torch.arange(start, start + num_rows, dtype=torch.int64)
+    else:
+        slots = state_indices.to(dtype=torch.int64).contiguous()
+    return (slots, torch.arange(num_rows + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+            torch.zeros(num_rows + 1, dtype=torch.int64))
+
+
+def verify_chunks(state_indices: torch.Tensor, cu_seqlens: Sequence[int],
+                  scratch_slots: Sequence[Sequence[int]]) -> Chunks:
+    """A verify op's chunks (its `state_indices`, `cu_seqlens` and `scratch_slots`) as the kernels take them."""
+    scratch_cu = [0]
+    for saved in scratch_slots:
+        scratch_cu.append(scratch_cu[-1] + len(saved))
+    return (state_indices.to(dtype=torch.int64).contiguous(), int64s(list(cu_seqlens)),
+            int64s([slot for saved in scratch_slots for slot in saved]), int64s(scratch_cu))

@@ -178,3 +178,24 @@ def test_no_compiler_or_switched_off_leaves_the_pytorch_backends(monkeypatch, tm
         assert native_backend.load(str(source)) is None
     assert "broken.c not built" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+@needs_native
+def test_a_slot_outside_the_pool_is_refused_before_anything_is_written():
+    """The kernels check every slot (the chunks' and the scratch ones) against the pool first: an IndexError naming
+    the pool, as torch's indexing would raise, and the pool untouched (no write out of bounds, none in bounds)."""
+    q, k, v, gate, beta = kda_inputs(2, torch.float32, seed=9)
+    pool = torch.randn(4, H, K, K)
+    before = pool.clone()
+    with pytest.raises(IndexError, match="4 slots"):
+        kda_native.kda_decode(q, k, v, gate, beta, pool, torch.tensor([1, 4]))
+    with pytest.raises(IndexError, match="4 slots"):
+        kda_native.kda_verify(q, k, v, gate, beta, pool, torch.tensor([1]), [0, 2], [(7,)])
+    assert torch.equal(pool, before)
+    x, weight, windows = torch.randn(2, CHANNELS), torch.randn(CHANNELS, WIDTH), torch.randn(3, CHANNELS, WIDTH - 1)
+    original = windows.clone()
+    with pytest.raises(IndexError, match="3 slots"):
+        conv_native.short_conv_decode(x, weight, windows, torch.tensor([0, -1]))
+    with pytest.raises(IndexError, match="3 slots"):
+        conv_native.short_conv_verify(x, weight, windows, torch.tensor([0]), [0, 2], [(3,)])
+    assert torch.equal(windows, original)

@@ -24,11 +24,17 @@ static void normalise(const float *x, float *out, int64_t n, float scale) {
 
 /* q, k, g: [R, H, K]; v: [R, H, V]; beta: [R, H]; pool: [num_slots, H, K, V]; out: [R, H, V]; all fp32, contiguous.
  * Chunk s owns rows cu[s]..cu[s+1] and state slot slots[s]; after its token t < scratch_cu[s+1] - scratch_cu[s] its
- * state is also copied to slot scratch[scratch_cu[s] + t]. Returns 0, or -1 when K or V exceeds MAX_DIM. */
+ * state is also copied to slot scratch[scratch_cu[s] + t]. Returns 0; -1 when K or V exceeds MAX_DIM; -2, before
+ * touching anything, when a slot is outside the pool's num_slots. */
 int kda_recurrent(const float *q, const float *k, const float *v, const float *g, const float *beta, float *pool,
-                  const int64_t *slots, const int64_t *cu, const int64_t *scratch, const int64_t *scratch_cu,
-                  int64_t num_chunks, int64_t H, int64_t K, int64_t V, float *out, int num_threads) {
+                  int64_t num_slots, const int64_t *slots, const int64_t *cu, const int64_t *scratch,
+                  const int64_t *scratch_cu, int64_t num_chunks, int64_t H, int64_t K, int64_t V, float *out,
+                  int num_threads) {
     if (K > MAX_DIM || V > MAX_DIM) return -1;
+    for (int64_t s = 0; s < num_chunks; s++)
+        if (slots[s] < 0 || slots[s] >= num_slots) return -2;
+    for (int64_t i = 0; i < scratch_cu[num_chunks]; i++)
+        if (scratch[i] < 0 || scratch[i] >= num_slots) return -2;
     const float q_scale = 1.0f / sqrtf((float)K);
     const int64_t state_size = K * V;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && num_chunks * H > 1)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from deltaserve.ops import native_backend
-from deltaserve.ops.native_backend import int64s, ptr
+from deltaserve.ops.native_backend import Chunks, decode_chunks, ptr, verify_chunks
 
 SOURCE = Path(__file__).with_name("native.c")
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -37,37 +37,27 @@ def supports(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_poo
 def kda_decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
                state_indices: Tensor | slice) -> Tensor:
     """Same contract as `deltaserve.ops.kda.ref.kda_decode`: each row a chunk of one token."""
-    n = q.shape[0]
-    if isinstance(state_indices, slice):
-        start = state_indices.start or 0
-        slots = torch.arange(start, start + n, dtype=torch.int64)
-    else:
-        slots = state_indices.to(dtype=torch.int64)
-    return _run(q, k, v, g, beta, state_pool, slots, torch.arange(n + 1, dtype=torch.int64),
-                torch.zeros(0, dtype=torch.int64), torch.zeros(n + 1, dtype=torch.int64))
+    return _run(q, k, v, g, beta, state_pool, decode_chunks(q.shape[0], state_indices))
 
 
 def kda_verify(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, state_indices: Tensor,
                cu_seqlens: Sequence[int], scratch_slots: Sequence[Sequence[int]]) -> Tensor:
     """Same contract as `deltaserve.ops.kda.kda_verify`."""
-    scratch_cu = [0]
-    for s in scratch_slots:
-        scratch_cu.append(scratch_cu[-1] + len(s))
-    return _run(q, k, v, g, beta, state_pool, state_indices.to(dtype=torch.int64), int64s(list(cu_seqlens)),
-                int64s([slot for s in scratch_slots for slot in s]), int64s(scratch_cu))
+    return _run(q, k, v, g, beta, state_pool, verify_chunks(state_indices, cu_seqlens, scratch_slots))
 
 
-def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, slots: Tensor, cu: Tensor,
-         scratch: Tensor, scratch_cu: Tensor) -> Tensor:
+def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, chunks: Chunks) -> Tensor:
     kernel = _kernel()
     assert kernel is not None, "native KDA kernel used where it is not available"
     r, h, dk = q.shape
     dv = v.shape[-1]
     qf, kf, vf, gf, bf = (t.float().contiguous() for t in (q, k, v, g, beta))
-    slots = slots.contiguous()
+    slots, cu, scratch, scratch_cu = chunks
     out = torch.empty(r, h, dv, dtype=torch.float32)
-    rc = kernel(ptr(qf), ptr(kf), ptr(vf), ptr(gf), ptr(bf), ptr(pool), ptr(slots), ptr(cu), ptr(scratch),
-                ptr(scratch_cu), slots.shape[0], h, dk, dv, ptr(out), torch.get_num_threads())
+    rc = kernel(ptr(qf), ptr(kf), ptr(vf), ptr(gf), ptr(bf), ptr(pool), pool.shape[0], ptr(slots), ptr(cu),
+                ptr(scratch), ptr(scratch_cu), slots.shape[0], h, dk, dv, ptr(out), torch.get_num_threads())
+    if rc == -2:
+        raise IndexError(f"kda native kernel: a state slot is outside the pool's {pool.shape[0]} slots")
     if rc != 0:
         raise ValueError(f"kda native kernel: head dims {dk}, {dv} exceed {_MAX_DIM}")
     return out.to(q.dtype)
@@ -79,6 +69,7 @@ def _kernel() -> Callable[..., int] | None:
         return None
     fn = lib.kda_recurrent
     if fn.argtypes is None:
-        fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 \
+            + [ctypes.c_void_p, ctypes.c_int]
         fn.restype = ctypes.c_int
     return cast(Callable[..., int], fn)

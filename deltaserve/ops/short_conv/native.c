@@ -37,11 +37,16 @@ static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 /* x: [R, C] fp32; weight_t: [W, C] fp32 (the weight transposed: taps as rows); pool: [num_slots, C, W-1], fp32
  * (pool_bf16 = 0) or bf16 (1), contiguous; out: [R, C] fp32; weight_bf16: round as for a bf16 weight; silu: apply it. The x values must be exact in the pool's dtype (the
  * caller checks). Loops run over channels innermost (vectorised; each channel's sum is the same whatever the width
- * of the vector). Returns 0, or -1 when W is out of range or memory runs out. */
-int short_conv_step(const float *x, const float *weight_t, void *pool, int pool_bf16, const int64_t *slots,
-                    const int64_t *cu, const int64_t *scratch, const int64_t *scratch_cu, int64_t num_chunks,
-                    int64_t C, int64_t W, float *out, int weight_bf16, int silu) {
+ * of the vector). Returns 0; -1 when W is out of range or memory runs out; -2, before touching anything, when a
+ * slot is outside the pool's num_slots. */
+int short_conv_step(const float *x, const float *weight_t, void *pool, int pool_bf16, int64_t num_slots,
+                    const int64_t *slots, const int64_t *cu, const int64_t *scratch, const int64_t *scratch_cu,
+                    int64_t num_chunks, int64_t C, int64_t W, float *out, int weight_bf16, int silu) {
     if (W > MAX_WIDTH || W < 1) return -1;
+    for (int64_t s = 0; s < num_chunks; s++)
+        if (slots[s] < 0 || slots[s] >= num_slots) return -2;
+    for (int64_t i = 0; i < scratch_cu[num_chunks]; i++)
+        if (scratch[i] < 0 || scratch[i] >= num_slots) return -2;
     const int64_t state_len = W - 1;
     float *pool_f = (float *)pool;
     uint16_t *pool_h = (uint16_t *)pool;

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from deltaserve.ops import native_backend
-from deltaserve.ops.native_backend import int64s, ptr
+from deltaserve.ops.native_backend import Chunks, decode_chunks, ptr, verify_chunks
 from deltaserve.ops.short_conv import ref
 
 SOURCE = Path(__file__).with_name("native.c")
@@ -38,38 +38,29 @@ def supports(x: Tensor, weight: Tensor, conv_state_pool: Tensor, *args: object, 
 def short_conv_decode(x: Tensor, weight: Tensor, conv_state_pool: Tensor, state_indices: Tensor | slice,
                       activation: str | None = "silu") -> Tensor:
     """Same contract as `deltaserve.ops.short_conv.ref.short_conv_decode`: each row a chunk of one token."""
-    n = x.shape[0]
-    if isinstance(state_indices, slice):
-        start = state_indices.start or 0
-        slots = torch.arange(start, start + n, dtype=torch.int64)
-    else:
-        slots = state_indices.to(dtype=torch.int64)
-    return _run(x, weight, conv_state_pool, slots, torch.arange(n + 1, dtype=torch.int64),
-                torch.zeros(0, dtype=torch.int64), torch.zeros(n + 1, dtype=torch.int64), activation)
+    return _run(x, weight, conv_state_pool, decode_chunks(x.shape[0], state_indices), activation)
 
 
 def short_conv_verify(x: Tensor, weight: Tensor, conv_state_pool: Tensor, state_indices: Tensor,
                       cu_seqlens: Sequence[int], scratch_slots: Sequence[Sequence[int]]) -> Tensor:
     """Same contract as `deltaserve.ops.short_conv.short_conv_verify`."""
-    scratch_cu = [0]
-    for s in scratch_slots:
-        scratch_cu.append(scratch_cu[-1] + len(s))
-    return _run(x, weight, conv_state_pool, state_indices.to(dtype=torch.int64), int64s(list(cu_seqlens)),
-                int64s([slot for s in scratch_slots for slot in s]), int64s(scratch_cu), "silu")
+    return _run(x, weight, conv_state_pool, verify_chunks(state_indices, cu_seqlens, scratch_slots), "silu")
 
 
-def _run(x: Tensor, weight: Tensor, pool: Tensor, slots: Tensor, cu: Tensor, scratch: Tensor, scratch_cu: Tensor,
-         activation: str | None) -> Tensor:
+def _run(x: Tensor, weight: Tensor, pool: Tensor, chunks: Chunks, activation: str | None) -> Tensor:
     kernel = _kernel()
     assert kernel is not None, "native short-conv kernel used where it is not available"
     ref._activate(x[:0], activation)  # an unknown name is refused before the pool is touched
     r, c = x.shape
     width = weight.shape[-1]
-    xf, wf, slots = x.float().contiguous(), weight.float().t().contiguous(), slots.contiguous()
+    xf, wf = x.float().contiguous(), weight.float().t().contiguous()
+    slots, cu, scratch, scratch_cu = chunks
     out = torch.empty(r, c, dtype=torch.float32)
-    rc = kernel(ptr(xf), ptr(wf), ptr(pool), int(pool.dtype == torch.bfloat16), ptr(slots), ptr(cu), ptr(scratch),
-                ptr(scratch_cu), slots.shape[0], c, width, ptr(out), int(weight.dtype == torch.bfloat16),
+    rc = kernel(ptr(xf), ptr(wf), ptr(pool), int(pool.dtype == torch.bfloat16), pool.shape[0], ptr(slots), ptr(cu),
+                ptr(scratch), ptr(scratch_cu), slots.shape[0], c, width, ptr(out), int(weight.dtype == torch.bfloat16),
                 int(activation is not None))
+    if rc == -2:
+        raise IndexError(f"short-conv native kernel: a state slot is outside the pool's {pool.shape[0]} slots")
     if rc != 0:
         raise ValueError(f"short-conv native kernel: width {width} exceeds {_MAX_WIDTH}")
     return out.to(x.dtype)  # the kernel rounded to the weight's dtype as the reference does; exact from there
@@ -81,7 +72,7 @@ def _kernel() -> Callable[..., int] | None:
         return None
     fn = lib.short_conv_step
     if fn.argtypes is None:
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 \
-            + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 \
+            + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
     return cast(Callable[..., int], fn)
