@@ -9,6 +9,10 @@ They also count the device-to-host copies of a decode step, each a stream sync o
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -38,6 +42,23 @@ def cpu_runs_the_reference_kernels(monkeypatch: pytest.MonkeyPatch):
     yield
     monkeypatch.delenv("DELTASERVE_OPS_BACKEND")
     dispatch.reset()
+
+
+@contextlib.contextmanager
+def moe_reference_on_cpu() -> Iterator[None]:
+    """For a CPU run that an emulated-device run is compared with: its MoE on the reference too. The CPU's own MoE
+    backend (`cpu_dense`) sums the experts in another order; forcing the reference for the whole test would also take
+    the emulated device off its MoE backend (`sorted`), whose host copies `test_step_copies_to_host` counts."""
+    from deltaserve.ops import dispatch
+
+    forced = os.environ["DELTASERVE_OPS_BACKEND"]
+    os.environ["DELTASERVE_OPS_BACKEND"] = forced + ",moe_experts=ref"
+    dispatch.reset()
+    try:
+        yield
+    finally:
+        os.environ["DELTASERVE_OPS_BACKEND"] = forced
+        dispatch.reset()
 
 
 def test_emulator_rejects_what_cuda_rejects():
@@ -91,7 +112,8 @@ def test_emulator_counts_syncs_inside_kernels():
 def test_engine_on_emulated_cuda_equals_cpu(tiny_dir, variant):
     """Greedy tokens on the emulated device (chunked prefill) equal the CPU run, for three checkpoint shapes."""
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    cpu = [o.outputs[0].token_ids for o in LLM(model=str(tiny_dir(variant))).generate(PROMPTS, params)]
+    with moe_reference_on_cpu():
+        cpu = [o.outputs[0].token_ids for o in LLM(model=str(tiny_dir(variant))).generate(PROMPTS, params)]
     with emulated_cuda():
         llm = LLM(model=str(tiny_dir(variant)), device="cuda", max_num_batched_tokens=32)  # chunked prefill
         assert all(p.device == CUDA for p in llm.engine.executor.worker.runner.model.parameters())
@@ -120,7 +142,8 @@ def test_sampling_structured_and_prefix_cache_on_emulated_cuda(tiny_dir):
         assert rounds[1][0].num_cached_tokens >= 48
         return [(c.token_ids, c.logprobs, o.prompt_logprobs) for r in rounds for o in r for c in o.outputs]
 
-    cpu = run(LLM(model=str(tiny_dir("base")), seed=5))
+    with moe_reference_on_cpu():
+        cpu = run(LLM(model=str(tiny_dir("base")), seed=5))
     with emulated_cuda():
         gpu = run(LLM(model=str(tiny_dir("base")), seed=5, device="cuda"))
     assert gpu == cpu

@@ -91,9 +91,14 @@ def test_latent_moe_matches_definition() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mxfp4_experts_equal_dequantised_dense_experts(dtype: torch.dtype) -> None:
+def test_mxfp4_experts_equal_dequantised_dense_experts(dtype: torch.dtype, default_dispatch) -> None:
     """MXFP4 experts dequantised on the fly give bit-identical outputs to a dense layer holding the decoded weights
-    (the decode is exact in bf16 and fp32); the packed layer stores 4.25 bits per weight."""
+    (the decode is exact in bf16 and fp32); the packed layer stores 4.25 bits per weight. Both loop over the experts
+    (the reference: dense stacks this small would otherwise take the every-expert `cpu_dense` path, other bits)."""
+    from deltaserve.ops import dispatch
+
+    default_dispatch.setenv("DELTASERVE_OPS_BACKEND", "moe_experts=ref")
+    dispatch.reset()
     quant, dense = mxfp4_and_dense(dtype)
     x = torch.randn(11, D, generator=torch.Generator().manual_seed(2)).to(dtype)
     assert torch.equal(quant(x), dense(x))

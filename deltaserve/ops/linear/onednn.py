@@ -9,6 +9,8 @@ Results do not depend on the row count in bf16; in fp32 neither oneDNN nor MKL's
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -19,9 +21,12 @@ ROWS_HINT = 8
 """The row count oneDNN picks its blocking for (decode batches); measured within 2% of the best for 1 to 32 rows."""
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this torch has the oneDNN linear ops."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether this torch has the oneDNN linear ops and this CPU runs them in bf16 (oneDNN's bf16 path needs AVX512
+    BW/VL/DQ or AVX-NE-CONVERT; on other x86 CPUs the reorder raises, so nothing is packed there)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def can_pack(weight: Tensor) -> bool:
