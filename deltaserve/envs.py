@@ -60,6 +60,13 @@ def native_cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "deltaserve" / "native"
 
 
+def cpu_decode_graphs() -> bool:
+    """`DELTASERVE_CPU_DECODE_GRAPHS=1`: on a CPU, run pure-decode steps as a CUDA graph replay would, padded to the
+    capture sizes on static buffers (`deltaserve.runner.cuda_graphs`), without capturing: the eager twin of a
+    replay, for tests. Off by default (padding only costs a CPU time)."""
+    return os.environ.get("DELTASERVE_CPU_DECODE_GRAPHS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def ops_backend() -> str:
     """`DELTASERVE_OPS_BACKEND`: forces op backends (parsed by `deltaserve.ops.dispatch`): `ref` for every op, or
     per op `kda_prefill=ref,mla_decode=flash`. Empty by default (each op picks its first capable backend)."""

@@ -25,6 +25,14 @@ bench() {  # name, then bench offline arguments; without the transformers baseli
 bench offline-32x256x128 --num-prompts 32 --input-len 256 --output-len 128
 bench offline-64x1024x256 --num-prompts 64 --input-len 1024 --output-len 256
 bench offline-bf16-32x256x128 --dtype bfloat16 --num-prompts 32 --input-len 256 --output-len 128
+# CUDA graphs (issue 21): the same decode-heavy runs without them (--enforce-eager), batch 1 and 8 too.
+bench offline-bf16-32x256x128-eager --dtype bfloat16 --num-prompts 32 --input-len 256 --output-len 128 --enforce-eager
+bench offline-bf16-1x256x256 --dtype bfloat16 --num-prompts 1 --input-len 256 --output-len 256 --no-baseline
+bench offline-bf16-1x256x256-eager --dtype bfloat16 --num-prompts 1 --input-len 256 --output-len 256 --no-baseline \
+  --enforce-eager
+bench offline-bf16-8x256x256 --dtype bfloat16 --num-prompts 8 --input-len 256 --output-len 256 --no-baseline
+bench offline-bf16-8x256x256-eager --dtype bfloat16 --num-prompts 8 --input-len 256 --output-len 256 --no-baseline \
+  --enforce-eager
 # The host tier's copies on a copy stream beside the forward vs all before it (issue 20), rehydrating an evicted 4K
 # session on the tiny checkpoint.
 $py -m deltaserve.entrypoints.cli bench followup --device cuda --evict-tokens 8000 --num-blocks 400 \

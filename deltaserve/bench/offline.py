@@ -57,6 +57,8 @@ class OfflineBenchArgs:
     speculative_config: str | None = None
     """deltaserve's speculative decoding, as JSON with vLLM's keys ('{"method": "ngram", "num_speculative_tokens":
     3}'); the result then has its acceptance counters."""
+    enforce_eager: bool = False
+    """deltaserve without CUDA graphs (run once with and once without to see what the graphs give on a GPU)."""
 
     def __post_init__(self) -> None:
         from deltaserve.config import SpeculativeConfig
@@ -85,7 +87,8 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
     from deltaserve.sampling_params import SamplingParams
 
     llm = LLM(model=model, dtype=args.dtype, device=args.device, max_num_seqs=max(64, args.num_prompts),
-              max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=args.speculative_config)
+              max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=args.speculative_config,
+              enforce_eager=args.enforce_eager)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # Warm-up (both engines alike): two other full-length prompts, a few tokens each, so first-use costs are not
     # timed (other prompts, so that prefix caching, on as by default, gets no hits from them).

@@ -227,6 +227,11 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads of the engine (default: torch's choice, one per core). On a small shared CPU host, 1
     can be much faster than oversubscribing the cores with the API process."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs (vLLM's `--enforce-eager`); on a CPU every step is eager anyway."""
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    """Decode batch sizes captured as CUDA graphs on a GPU (vLLM's `--cuda-graph-sizes`); a step of n sequences
+    replays the smallest size >= n. None: 1, 2, 4 and every multiple of 8 up to max_num_seqs (at most 512)."""
     structured_output_backend: str = "llguidance"
     """Library that compiles structured-output constraints (JSON schema, regex, Lark grammar) into token masks:
     'llguidance' (default) or 'xgrammar' (optional, not installed by default; no Lark grammars)."""
@@ -250,6 +255,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(self.cuda_graph_sizes)
+            if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+                raise ValueError(f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes!r}")
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
         if self.structured_output_backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"structured_output_backend={self.structured_output_backend!r} is not supported "
                              "(supported: 'llguidance', 'xgrammar')")

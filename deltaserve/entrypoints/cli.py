@@ -22,7 +22,8 @@ def _generate(args: argparse.Namespace) -> int:
     engine_args = {f.name: getattr(args, f.name) for cls in (CacheConfig, SchedulerConfig)
                    for f in dataclasses.fields(cls)}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device,
-              speculative_config=args.speculative_config, **engine_args)
+              speculative_config=args.speculative_config, enforce_eager=args.enforce_eager,
+              cuda_graph_sizes=args.cuda_graph_sizes, **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     out = llm.generate(args.prompt, params)[0].outputs[0]
@@ -63,7 +64,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         server = dataclasses.replace(server, api_key=envs.api_key())
     engine = EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                          device=args.device,
+                          device=args.device, enforce_eager=args.enforce_eager,
+                          cuda_graph_sizes=None if args.cuda_graph_sizes is None else tuple(args.cuda_graph_sizes),
                           structured_output_backend=args.structured_output_backend,
                           # The API process keeps a core of its own (utils/cpu_threads.py).
                           num_threads=args.num_threads if args.num_threads is not None or args.device != "cpu"
@@ -133,9 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-remote-code", action="store_true",
                      help="accepted for `vllm serve` command lines (Kimi's need it there); no effect: deltaserve "
                           "implements the models and never runs a checkpoint's code")
-    srv.add_argument("--enforce-eager", action="store_true",
-                     help="accepted for `vllm serve` command lines; no effect: deltaserve runs eagerly (torch.compile "
-                          "measured slower than its hand-fused CPU ops, see docs/benchmarks.md)")
+    _add_graph_args(srv)
     add_dataclass_args(srv.add_argument_group("server"), ServerConfig)
     add_dataclass_args(srv.add_argument_group("images"), MediaConfig)
     engine = srv.add_argument_group("engine (help generated from the config dataclasses)")
@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     gen.add_argument("--device", default="cpu", help="'cpu', 'cuda' or 'cuda:N' (default: cpu)")
+    _add_graph_args(gen)
     engine = gen.add_argument_group("engine (help generated from the config dataclasses)")
     add_dataclass_args(engine, CacheConfig, aliases={"enable_prefix_caching": "prefix-caching"})
     add_dataclass_args(engine, SchedulerConfig)
@@ -179,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
                    sweep, spec, cpu, disagg, vision):
         module.add_parser(bench_sub)
     return parser
+
+
+def _add_graph_args(parser: argparse.ArgumentParser) -> None:
+    """--enforce-eager and --cuda-graph-sizes (vLLM's names; `EngineConfig` documents them)."""
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="never capture CUDA graphs (on a CPU every step is eager: torch.compile measured slower "
+                             "than the hand-fused CPU ops, see docs/benchmarks.md)")
+    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                        help="decode batch sizes captured as CUDA graphs on a GPU (default: 1 2 4 and every multiple "
+                             "of 8 up to --max-num-seqs, at most 512)")
 
 
 def _add_kv_transfer_arg(group: argparse._ArgumentGroup) -> None:

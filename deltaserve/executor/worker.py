@@ -24,6 +24,8 @@ from deltaserve.models.kimi_vision import load_vision_model
 from deltaserve.models.loader import load_model
 from deltaserve.ops import dispatch
 from deltaserve.runner.block_drafting import BlockDrafting
+from deltaserve.runner.cuda_graphs import GraphSettings
+from deltaserve.runner.cuda_graphs import default_sizes as default_graph_sizes
 from deltaserve.runner.encoder_cache import EncoderCache
 from deltaserve.runner.image_embedder import ImageEmbedder
 from deltaserve.runner.kv_transfer_io import KVTransferIO
@@ -112,7 +114,8 @@ class Worker:
                                   max_num_tokens=self.config.scheduler.max_num_batched_tokens,
                                   num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots,
                                   overlap_host_copies=envs.host_copy_overlap(),
-                                  rejection_sample_method=self._rejection_sample_method())
+                                  rejection_sample_method=self._rejection_sample_method(),
+                                  graphs=self._graph_settings(layout.block_size))
         spec = self.config.speculative_config
         if spec is not None and spec.method in BLOCK_DRAFTERS:
             path = resolve_drafter_path(spec.model, self.config.model)
@@ -140,6 +143,27 @@ class Worker:
                 block_size=layout.block_size, server=self.transfer_server,
                 client=make_client(kv) if kv.is_consumer else None, timeout_s=kv.transfer_timeout_s,
                 ttl_s=kv.transfer_ttl_s, all_gather=self._all_gather_bytes)
+
+    def _graph_settings(self, block_size: int) -> GraphSettings | None:
+        """Decode graphs on a GPU unless `enforce_eager` (or their padded eager twin on a CPU when
+        `DELTASERVE_CPU_DECODE_GRAPHS` asks); none where a step needs more than the token embeddings and the forward:
+        a block drafter (its feature taps are forward hooks), a vision tower (image features), EPLB (host-side
+        routing counts)."""
+        config = self.config
+        capture = self.device.type == "cuda"
+        if config.enforce_eager or not (capture or envs.cpu_decode_graphs()):
+            return None
+        spec = config.speculative_config
+        if (spec is not None and spec.method in BLOCK_DRAFTERS) or self.vision is not None \
+                or config.parallel.enable_eplb:
+            logger.info("CUDA graphs off: %s", "a block drafter" if spec is not None and spec.method in BLOCK_DRAFTERS
+                        else "a vision tower" if self.vision is not None else "EPLB")
+            return None
+        model_limit = ModelConfig.from_pretrained(config.model).max_model_len
+        max_len = min(config.max_model_len or model_limit, model_limit)
+        proposals = 0 if spec is None else spec.num_speculative_tokens
+        sizes = config.cuda_graph_sizes or default_graph_sizes(config.scheduler.max_num_seqs)
+        return GraphSettings(sizes=sizes, max_blocks=-(-(max_len + proposals + 1) // block_size), capture=capture)
 
     def _rejection_sample_method(self) -> str:
         spec = self.config.speculative_config

@@ -17,6 +17,7 @@ from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.outputs import TokenLogprobs
 from deltaserve.runner.block_drafting import BlockDrafting, StepLayout
+from deltaserve.runner.cuda_graphs import DecodeGraphs, GraphSettings
 from deltaserve.runner.host_cache import HostCache, HostCopyJob
 from deltaserve.runner.image_embedder import ImageEmbedder
 from deltaserve.runner.input_batch import InputBatch
@@ -52,16 +53,24 @@ class ModelRunner:
 
     def __init__(self, model: Model, *, num_blocks: int, block_size: int, num_slots: int,
                  max_num_tokens: int = 2048, num_host_blocks: int = 0, num_host_slots: int = 0,
-                 overlap_host_copies: bool | None = None, rejection_sample_method: str = "standard") -> None:
+                 overlap_host_copies: bool | None = None, rejection_sample_method: str = "standard",
+                 graphs: GraphSettings | None = None) -> None:
         """`num_host_blocks`, `num_host_slots`: the host tier of the prefix cache (none when 0);
         `overlap_host_copies`: its copies run beside the forward, layer by layer (False: all before it; None: beside
-        it on a GPU, before it on a CPU)."""
+        it on a GPU, before it on a CPU); `graphs`: pure-decode steps padded to these sizes on static buffers
+        (`runner.cuda_graphs`), captured as CUDA graphs here where the settings say so."""
         self.model = model
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.device = next(model.parameters()).device
+        pad = 1 if graphs is not None else 0  # the padding rows' own block and slot, past the pools'
         self.caches = allocate_layer_caches(
-            model.cache_specs(), num_blocks=num_blocks, block_size=block_size, num_slots=num_slots, device=self.device
+            model.cache_specs(), num_blocks=num_blocks + pad, block_size=block_size, num_slots=num_slots + pad,
+            device=self.device,
         )
+        self.graphs = None if graphs is None else DecodeGraphs(
+            model, self.caches, sizes=graphs.sizes, max_blocks=graphs.max_blocks, block_size=block_size,
+            pad_block=num_blocks, pad_slot=num_slots, device=self.device)
+        """Decode steps at padded sizes: CUDA graph replays once captured, else the padded eager twin."""
         self.host = HostCache(model.cache_specs(), num_blocks=num_host_blocks, num_slots=num_host_slots,
                               block_size=block_size, device=self.device,
                               overlap=overlap_host_copies) if num_host_blocks else None
@@ -85,6 +94,8 @@ class ModelRunner:
         self.rejection_sample_method = rejection_sample_method
         """How proposals with draft distributions are verified: 'standard' (token by token) or 'block' (jointly,
         `ops.sampling.block_rejection_sample`)."""
+        if graphs is not None and graphs.capture and self.graphs is not None and not self.graphs.capture():
+            self.graphs = None  # the capture failed (logged): plain eager steps
 
     # -- the engine's entry point --------------------------------------------------------------------------------
 
@@ -311,6 +322,15 @@ class ModelRunner:
             placed = self.images.embeds([chunks[i] for i in order], batch.cu_seqlens_host, self._images_of)
             if placed is not None:
                 batch = dataclasses.replace(batch, embed_rows=placed[0], embed_values=placed[1])
+        # A pure-decode step without image features or prompt logprobs: a graph replay (or its padded twin).
+        if (self.graphs is not None and batch.embed_rows is None and batch.num_decodes == len(chunks)
+                and all(c.sample for c in chunks) and not any(self._wants_prompt_logprobs(c.request_id)
+                                                              for c in chunks)):
+            logits = self.graphs.step(ids, batch, caches)
+            if logits is not None:  # decode rows only: the batch is in chunk order, one row each
+                self._layout = StepLayout(batch.cu_seqlens_host, list(range(len(chunks))))
+                self.last_forward_seconds = time.perf_counter() - start
+                return logits
         hidden = self.model(ids, batch, caches)
         row_of_chunk = [0] * len(order)  # original index -> sequence row in the batch
         for row, i in enumerate(order):

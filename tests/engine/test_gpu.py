@@ -47,3 +47,25 @@ def test_bench_offline_on_cuda_reports_roofline(tiny_dir, tmp_path):
     assert res.returncode == 0, res.stderr
     roof = json.loads(result.read_text())["deltaserve"]["roofline"]
     assert roof["decode_steps"] == 7 and 0 < roof["share"] < 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_graphs_replay_the_eager_tokens(tiny_dir, dtype):
+    """Decode steps replayed from CUDA graphs (sizes 1, 2, 4, 8; batches shrinking through them and above the largest)
+    give the eager engine's greedy tokens. bf16 must capture (its decode step reads nothing back to the host); fp32
+    may fall back to eager steps (torch's fp32 grouped GEMM copies its offsets to the host), with the same tokens."""
+    from tests.helpers import prompt_ids
+
+    prompts = [prompt_ids(1024, n, seed=300 + i) for i, n in enumerate((3, 17, 40, 5, 64, 9, 33, 21, 2, 50, 12))]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    path = str(tiny_dir("base"))
+    eager = LLM(model=path, device="cuda", dtype=dtype, enforce_eager=True)
+    assert eager.engine.executor.worker.runner.graphs is None
+    graphs = LLM(model=path, device="cuda", dtype=dtype, cuda_graph_sizes=(1, 2, 4, 8))
+    runner = graphs.engine.executor.worker.runner
+    if dtype == "bfloat16":
+        assert runner.graphs is not None and runner.graphs.captured
+    ours = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
+    assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    if runner.graphs is not None:
+        assert runner.graphs.replays > 0
