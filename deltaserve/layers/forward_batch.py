@@ -27,6 +27,8 @@ class ForwardBatch:
     """The same offsets on the host, for ops that plan on the CPU (a device read is a stream sync on a GPU)."""
     context_lens: torch.Tensor
     """[N] int64 tokens per sequence after this step (already cached + new)."""
+    context_lens_host: tuple[int, ...] = ()
+    """The same on the host (empty where the builder did not give them)."""
     num_decodes: int
     state_indices: torch.Tensor
     """[N] int64 KDA state slot of each sequence (a fresh sequence's slot is zeroed by the caller)."""

@@ -81,7 +81,9 @@ class MLAttention(nn.Module):
             first = batch.num_decode_like
             outs.append(
                 mla_prefill(q[nr:], cache.kv, batch.block_tables[first:], batch.prefill_cu_seqlens(),
-                            batch.context_lens[first:], w_uk, w_uv, scale=self.scale)
+                            batch.context_lens[first:], w_uk, w_uv, scale=self.scale,
+                            cu_seqlens_host=batch.prefill_cu_seqlens_host(),
+                            context_lens_host=batch.context_lens_host[first:] or None)
             )
         o = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, self.o_width)
         if cfg.use_output_gate:

@@ -82,6 +82,7 @@ class InputBatch:
             cu_seqlens=self._tensor("cu", n + 1),
             cu_seqlens_host=tuple(cu.tolist()),
             context_lens=self._tensor("context_lens", n),
+            context_lens_host=tuple(context_lens.tolist()),
             num_decodes=num_decodes,
             num_verifies=num_verifies,
             verify_scratch_slots=tuple(tuple(slot for _, slot in sorted(c.checkpoints)) for c in verifies),

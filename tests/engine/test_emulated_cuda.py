@@ -186,3 +186,31 @@ def test_bench_offline_on_emulated_h200(tiny_dir):
     assert roof["decode_steps"] == 7 and roof["mean_batch"] == 4.0
     assert roof["ceilings_source"].startswith("H200") and 0 < roof["share"] < 1
     assert result["transformers"]["output_tokens"] == 4 * 8 and result["speedup"] > 0
+
+
+def test_expanded_sdpa_prefill_on_emulated_cuda(tiny_dir, monkeypatch: pytest.MonkeyPatch):
+    """The CUDA prefill backend (`mla_prefill` -> `expanded_sdpa`, forced as a GPU would choose it) over whole
+    prompts: the CPU run's greedy tokens, and in bf16 still one device-to-host copy per step (it reads the lengths
+    from the host). Chunks after cached positions take `causal_lower_right`, a tensor subclass the emulator cannot
+    wrap: tests/ops/test_mla_expanded_sdpa.py checks that path against the reference on real CPU tensors."""
+    from deltaserve.ops import dispatch
+
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    path = str(tiny_dir("base"))
+    with moe_reference_on_cpu():
+        cpu = [o.outputs[0].token_ids for o in LLM(model=path).generate(PROMPTS, params)]
+    forced = os.environ["DELTASERVE_OPS_BACKEND"].replace("mla_prefill=ref", "mla_prefill=expanded_sdpa")
+    monkeypatch.setenv("DELTASERVE_OPS_BACKEND", forced)
+    dispatch.reset()
+    with emulated_cuda(capability=(9, 0)) as stats:
+        gpu = LLM(model=path, device="cuda", enforce_eager=True).generate(PROMPTS, params)
+        assert [o.outputs[0].token_ids for o in gpu] == cpu
+        engine = LLM(model=path, device="cuda", dtype="bfloat16", enforce_eager=True).engine
+        for rid, prompt in enumerate(PROMPTS):
+            engine.add_request(str(rid), prompt, params)
+        counts: list[int] = []
+        while engine.has_unfinished_requests():
+            before = stats.device_to_host
+            engine.step()
+            counts.append(stats.device_to_host - before)
+    assert counts == [1] * 5, counts

@@ -1,6 +1,7 @@
 """Paged latent attention (MLA, no positional encoding): the only entry points layers call, dispatched. `mla_prefill`
-(`sdpa.py`) and `mla_decode` (`cpu_decode.py`) have CPU flash-attention backends for fp32 and bf16; `mla_decode` has a
-Triton kernel for CUDA (`triton_decode.py`); everything else runs the reference."""
+(`sdpa.py`) and `mla_decode` (`cpu_decode.py`) have CPU flash-attention backends for fp32 and bf16; on CUDA
+`mla_prefill` runs PyTorch's fused attention on expanded keys (`expanded_sdpa.py`) and `mla_decode` a Triton kernel
+(`triton_decode.py`); everything else runs the reference."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from deltaserve.ops import dispatch, triton_backend
-from deltaserve.ops.mla import cpu_decode, ref, sdpa
+from deltaserve.ops.mla import cpu_decode, expanded_sdpa, ref, sdpa
 
 
 def _triton_decode_supports(q: Tensor, kv_cache: Tensor, *args: Any, **kwargs: Any) -> bool:
@@ -23,6 +24,10 @@ mla_decode = dispatch.op("mla_decode", ref.mla_decode)
 dispatch.register(
     "mla_prefill",
     dispatch.Backend("sdpa", sdpa.mla_prefill_sdpa, available=sdpa.available, supports=sdpa.supports),
+)
+dispatch.register(  # CUDA only: PyTorch's fused attention per sequence
+    "mla_prefill",
+    dispatch.Backend("expanded_sdpa", expanded_sdpa.mla_prefill_expanded, supports=expanded_sdpa.supports),
 )
 dispatch.register(
     "mla_decode",

@@ -8,6 +8,8 @@ so a long context costs memory for its cache rows only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -87,6 +89,8 @@ def mla_prefill(
     w_uv: Tensor,
     *,
     scale: float,
+    cu_seqlens_host: Sequence[int] | None = None,
+    context_lens_host: Sequence[int] | None = None,
 ) -> Tensor:
     """Expanded (non-absorbed) causal MLA for a packed varlen batch of query chunks over a paged latent cache.
 
@@ -104,6 +108,8 @@ def mla_prefill(
         w_uk: ``[Hm, Dn, R]`` key up-projection of the latent per head (the layer's ``kv_b`` rows, any strides).
         w_uv: ``[Hm, Dv, R]`` value up-projection; the latents are cast to its dtype for both projections.
         scale: softmax scale, ``(Dn+Dr) ** -0.5`` for the model.
+        cu_seqlens_host, context_lens_host: the same two as host lists, where the caller has them (backends that
+            plan on the host read these, not the device); the reference does not use them.
 
     Returns:
         ``[T, Hm, Dv]`` in ``q.dtype``. The query at context position ``p`` attends to positions ``<= p``.

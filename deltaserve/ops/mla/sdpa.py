@@ -14,7 +14,7 @@ causality there. Memory: the expanded keys and values of one group or piece, plu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -39,7 +39,7 @@ def available() -> bool:
     return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def supports(q: Tensor, kv_cache: Tensor, *args: object, **kwargs: object) -> bool:
+def supports(q: Tensor, kv_cache: Tensor, *args: object, **kwargs: object) -> bool:  # host lengths: any
     """Whether an `mla_prefill` call can take this path: CPU tensors, queries in fp32 or bf16."""
     return q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype in DTYPES
 
@@ -54,6 +54,8 @@ def mla_prefill_sdpa(
     w_uv: Tensor,
     *,
     scale: float,
+    cu_seqlens_host: Sequence[int] | None = None,
+    context_lens_host: Sequence[int] | None = None,
 ) -> Tensor:
     """Expanded causal MLA over a paged latent cache through the CPU flash-attention kernel; see `ref.mla_prefill`
     for the contract (arguments, shapes, causality, dtypes).
@@ -70,7 +72,8 @@ def mla_prefill_sdpa(
     expand = _Expansion(torch.cat([w_uk, w_uv], dim=1).reshape(-1, w_uk.shape[-1]).t(), num_heads, w_uk.shape[1],
                         q.dtype, head_dim)
     q = _pad_last(q, head_dim)  # [T, Hm, D]
-    cu, ctx = cu_seqlens.tolist(), context_lens.tolist()  # CPU tensors only: no device sync
+    cu = list(cu_seqlens_host) if cu_seqlens_host is not None else cu_seqlens.tolist()  # CPU tensors: no sync
+    ctx = list(context_lens_host) if context_lens_host is not None else context_lens.tolist()
     rows = max(1, _PIECE_ELEMS // (2 * num_heads * head_dim))
     for group in _groups([i for i in range(len(ctx)) if cu[i + 1] > cu[i]], ctx, kv_cache.shape[1], rows):
         if ctx[group[0]] > rows:  # a long context, alone: expanded piece by piece
