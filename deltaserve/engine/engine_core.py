@@ -19,7 +19,7 @@ from typing import Any
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.planner import CacheLayout, plan_cache
 from deltaserve.cache.remote import TransferResult
-from deltaserve.cache.spec import StateCacheSpec
+from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import EngineConfig, ModelConfig, RemotePrefill, check_parallel, parse_memory
 from deltaserve.config.kv_transfer import parse_transfer_request, prompt_digest
 from deltaserve.config.speculative import BLOCK_DRAFTERS
@@ -194,6 +194,9 @@ class EngineCore:
                         "proposer %.1f MiB", num_scratch, proposer.num_speculative_tokens, per_slot / 2**10,
                         num_scratch * per_slot / 2**20, proposer_bytes / 2**20)
         reserved = (num_ckpt + num_scratch) * per_slot + proposer_bytes
+        if info.decode_graphs:  # the padding rows' own slot and block, past the pools
+            reserved += per_slot + sum(s.bytes_per_token for s in info.cache_specs
+                                       if isinstance(s, KVCacheSpec)) * cc.block_size
         layout = plan_cache(
             info.cache_specs, budget_bytes=max(budget - reserved, 0), block_size=cc.block_size,
             max_num_seqs=max_num_seqs, num_blocks=cc.num_blocks, num_slots=cc.num_state_slots,

@@ -31,6 +31,9 @@ class WorkerInfo:
     """Bytes of this rank's parameters (its shard under tensor / expert parallelism), counted from the tensors."""
     transfer_addresses: tuple[str, ...] = ()
     """Disaggregation, prefill side: each rank's transfer server, in rank order (one per worker; merged)."""
+    decode_graphs: bool = False
+    """Whether the runner will pad decode steps for CUDA graphs: it then allocates one KV block and one state slot
+    past the planned pools for the padding rows (the planner reserves them)."""
 
 
 def merge_infos(infos: list[WorkerInfo]) -> WorkerInfo:
@@ -39,7 +42,8 @@ def merge_infos(infos: list[WorkerInfo]) -> WorkerInfo:
     return WorkerInfo(cache_specs=first.cache_specs, device=first.device,
                       available_memory_bytes=min(i.available_memory_bytes for i in infos),
                       weight_bytes=max(i.weight_bytes for i in infos),
-                      transfer_addresses=tuple(a for i in infos for a in i.transfer_addresses))
+                      transfer_addresses=tuple(a for i in infos for a in i.transfer_addresses),
+                      decode_graphs=any(i.decode_graphs for i in infos))
 
 
 class Executor(Protocol):

@@ -106,7 +106,8 @@ class Worker:
                           available_memory_bytes=available_memory_bytes(self.device), device=str(self.device),
                           weight_bytes=sum(t.numel() * t.element_size()
                                            for t in itertools.chain(self.model.parameters(), self.model.buffers())),
-                          transfer_addresses=() if self.transfer_server is None else (self.transfer_server.address,))
+                          transfer_addresses=() if self.transfer_server is None else (self.transfer_server.address,),
+                          decode_graphs=self._decode_graphs())
 
     def initialize_cache(self, layout: CacheLayout, num_slots: int) -> None:
         self.runner = ModelRunner(self.model, num_blocks=layout.num_blocks, block_size=layout.block_size,
@@ -144,26 +145,35 @@ class Worker:
                 client=make_client(kv) if kv.is_consumer else None, timeout_s=kv.transfer_timeout_s,
                 ttl_s=kv.transfer_ttl_s, all_gather=self._all_gather_bytes)
 
-    def _graph_settings(self, block_size: int) -> GraphSettings | None:
+    def _decode_graphs(self, log: bool = False) -> bool:
         """Decode graphs on a GPU unless `enforce_eager` (or their padded eager twin on a CPU when
         `DELTASERVE_CPU_DECODE_GRAPHS` asks); none where a step needs more than the token embeddings and the forward:
         a block drafter (its feature taps are forward hooks), a vision tower (image features), EPLB (host-side
         routing counts)."""
         config = self.config
-        capture = self.device.type == "cuda"
-        if config.enforce_eager or not (capture or envs.cpu_decode_graphs()):
-            return None
+        if config.enforce_eager or not (self.device.type == "cuda" or envs.cpu_decode_graphs()):
+            return False
         spec = config.speculative_config
-        if (spec is not None and spec.method in BLOCK_DRAFTERS) or self.vision is not None \
-                or config.parallel.enable_eplb:
-            logger.info("CUDA graphs off: %s", "a block drafter" if spec is not None and spec.method in BLOCK_DRAFTERS
-                        else "a vision tower" if self.vision is not None else "EPLB")
+        drafter = spec is not None and spec.method in BLOCK_DRAFTERS
+        if drafter or self.vision is not None or config.parallel.enable_eplb:
+            if log:
+                logger.info("CUDA graphs off: %s", "a block drafter" if drafter
+                            else "a vision tower" if self.vision is not None else "EPLB")
+            return False
+        return True
+
+    def _graph_settings(self, block_size: int) -> GraphSettings | None:
+        """`GraphSettings` where `_decode_graphs` says so: the configured sizes, the block table of the longest
+        sequence (with its proposals), capture on a GPU."""
+        if not self._decode_graphs(log=True):
             return None
+        config, spec = self.config, self.config.speculative_config
         model_limit = ModelConfig.from_pretrained(config.model).max_model_len
         max_len = min(config.max_model_len or model_limit, model_limit)
         proposals = 0 if spec is None else spec.num_speculative_tokens
         sizes = config.cuda_graph_sizes or default_graph_sizes(config.scheduler.max_num_seqs)
-        return GraphSettings(sizes=sizes, max_blocks=-(-(max_len + proposals + 1) // block_size), capture=capture)
+        return GraphSettings(sizes=sizes, max_blocks=-(-(max_len + proposals + 1) // block_size),
+                             capture=self.device.type == "cuda")
 
     def _rejection_sample_method(self) -> str:
         spec = self.config.speculative_config

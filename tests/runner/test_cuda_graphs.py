@@ -137,3 +137,15 @@ def test_padding_rows_write_only_the_pad_block_and_slot(tiny_dir) -> None:
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
     # Not bit for bit: fp32 GEMMs of 8 rows and of 3 may take other kernels (as batched and alone rows do).
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_the_planner_reserves_the_padding_block_and_slot(tiny_dir, padded_decode) -> None:
+    """With padded decode steps the worker reports it and the planner takes the padding rows' block and slot out of
+    the same cache budget: the pools are smaller than without, never the memory larger."""
+    path = str(tiny_dir("base"))
+    plain = LLM(model=path, enforce_eager=True, cache_memory="1MiB").engine
+    padded = LLM(model=path, cache_memory="1MiB").engine
+    assert not plain.executor.describe().decode_graphs and padded.executor.describe().decode_graphs
+    a, b = plain.cache.usage(), padded.cache.usage()
+    assert b.num_slots <= a.num_slots and b.num_blocks <= a.num_blocks
+    assert (b.num_blocks, b.num_slots) != (a.num_blocks, a.num_slots), (a, b)
