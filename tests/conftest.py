@@ -8,16 +8,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint
+# Without a GPU, Triton kernels run in its interpreter (the `interpret` tests: kernels against their references on a
+# CPU). Set before anything imports triton (deltaserve's imports may: torch._dynamo imports it where it is installed):
+# its standard library is jitted for the mode in force at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from deltaserve.models.tiny import TinySpec, write_tiny_checkpoint  # noqa: E402
+from deltaserve.utils.hf_kimi import kimi_linear_for_causal_lm  # noqa: E402
 
 # Every engine a test starts (in this process, and the servers and workers it spawns, which inherit the variable)
 # gets this cache unless the test sizes it: the 2 GiB default, zeroed at start, cost the suite minutes and, with a
 # few engines alive at once, most of the CI machine's memory. Tiny checkpoints need a few MiB.
 os.environ.setdefault("DELTASERVE_CACHE_MEMORY", "256MiB")
-# Without a GPU, Triton kernels run in its interpreter (the `interpret` tests: kernels against their references on a
-# CPU). Set before anything imports triton: its standard library is jitted for the mode in force at import.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# transformers' Kimi Linear, the parity oracle, imported before anything else can: with fla hidden, so that it runs
+# its own PyTorch KDA (with fla-core installed, the kernels extra, it would call fla's Triton kernels, which fail on a
+# CPU and would not be an independent oracle on a GPU).
+try:
+    kimi_linear_for_causal_lm()
+except ImportError:  # no transformers (the tests that need it skip)
+    pass
 
 # Variants that exercise the paths the parity tests must cover (see model-spec §13.1).
 TINY_VARIANTS: dict[str, TinySpec] = {

@@ -144,11 +144,15 @@ def decode_roofline(args: OfflineBenchArgs, model: Model,
 def run_transformers(args: OfflineBenchArgs, model: str, prompts: list[list[int]]) -> dict[str, float]:
     import torch
 
+    from deltaserve.utils.hf_kimi import kimi_linear_for_causal_lm
+
     try:
         import transformers
     except ImportError as exc:  # a test-only dependency
         raise SystemExit("the baseline needs transformers: pip install 'deltaserve[test]'") from exc
-    hf = transformers.KimiLinearForCausalLM.from_pretrained(model, dtype=getattr(torch, args.dtype))
+    # On a GPU the baseline is transformers with fla's kernels (the anchor); on a CPU its own PyTorch KDA.
+    cls = transformers.KimiLinearForCausalLM if args.device.startswith("cuda") else kimi_linear_for_causal_lm()
+    hf = cls.from_pretrained(model, dtype=getattr(torch, args.dtype))
     # transformers wraps `to` in functools.wraps(nn.Module.to), so mypy reads its first argument as `self`.
     hf = hf.to(args.device).eval()  # type: ignore[arg-type]
     hf.generation_config.eos_token_id = None

@@ -1,5 +1,6 @@
 """KDA ops (model-spec §3): the only names layers call, dispatched through `deltaserve.ops.dispatch`. CPU prefills
-with fp32 / bf16 activations take the factorised chunked backend (`cpu.py`), CPU decodes the C kernel (`native.c`)
+with fp32 / bf16 activations take the factorised chunked backend (`cpu.py`), CUDA prefills fla-core's `chunk_kda`
+(`fla_prefill.py`), CPU decodes the C kernel (`native.c`)
 where it builds, else the one-read update (`cpu_decode.py`), CUDA decodes a Triton kernel (`triton_decode.py`);
 everything else runs the pure-PyTorch reference. `kda_verify` (speculative verify chunks) follows the decode
 backend, so that a verified token gets the numbers plain decoding gives it."""
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 
 from deltaserve.ops import dispatch, triton_backend
-from deltaserve.ops.kda import cpu, cpu_decode, native, ref
+from deltaserve.ops.kda import cpu, cpu_decode, fla_prefill, native, ref
 from deltaserve.ops.stepwise_verify import verify_stepwise
 
 
@@ -27,6 +28,10 @@ kda_gate = dispatch.op("kda_gate", ref.kda_gate)
 kda_prefill = dispatch.op("kda_prefill", ref.kda_prefill)
 kda_decode = dispatch.op("kda_decode", ref.kda_decode)
 dispatch.register("kda_prefill", dispatch.Backend("cpu", cpu.kda_prefill, supports=cpu.supports))
+dispatch.register(  # after the CPU backend; fla itself is imported by the first call
+    "kda_prefill", dispatch.Backend("fla", fla_prefill.kda_prefill_fla,
+                                    available=fla_prefill.available, supports=fla_prefill.supports,
+                                    forced_only=triton_backend.forced_only))
 dispatch.register("kda_decode", dispatch.Backend("native", native.kda_decode, available=native.available,
                                                  supports=native.supports))
 dispatch.register("kda_decode", dispatch.Backend("cpu", cpu_decode.kda_decode, supports=cpu_decode.supports))
