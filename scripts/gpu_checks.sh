@@ -14,7 +14,7 @@ py=${PYTHON:-python3}
   torch.cuda.get_device_name(0))"; } > "$out/env.txt" 2>&1
 $py -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_gpu.py tests/runner/test_host_cache.py \
   tests/ops/test_mla_triton.py tests/ops/test_kda_triton.py tests/ops/test_moe_triton.py \
-  tests/ops/test_mla_expanded_sdpa.py > "$out/pytest-gpu.txt" 2>&1
+  tests/ops/test_mla_expanded_sdpa.py tests/ops/test_kda_fla.py > "$out/pytest-gpu.txt" 2>&1
 tail -3 "$out/pytest-gpu.txt"
 bench() {  # name, then bench offline arguments; without the transformers baseline if that one fails
   $py -m deltaserve.entrypoints.cli bench offline --device cuda --result-file "$out/$1.json" "${@:2}" \
