@@ -19,8 +19,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -60,6 +61,19 @@ def load(source: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("native kernel %s not built (%s): its ops use their PyTorch backends", path.name, exc)
         return None
+
+
+def function(source: str, name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """The C function `name` of `source`'s library (`load`), with its argument types set and an int result; None
+    where the library is not built here."""
+    lib = load(source)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    if fn.argtypes is None:
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return cast(Callable[..., int], fn)
 
 
 def _build(cc: str, source: Path) -> Path:

@@ -149,6 +149,18 @@ def test_sampling_structured_and_prefix_cache_on_emulated_cuda(tiny_dir):
     assert gpu == cpu
 
 
+def host_copies_per_step(engine, params: SamplingParams, stats) -> list[int]:
+    """`PROMPTS` added to `engine` at once and run to the end: the device-to-host copies of each step."""
+    for rid, prompt in enumerate(PROMPTS):
+        engine.add_request(str(rid), prompt, params)
+    counts: list[int] = []
+    while engine.has_unfinished_requests():
+        before = stats.device_to_host
+        engine.step()
+        counts.append(stats.device_to_host - before)
+    return counts
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_step_copies_to_host(tiny_dir, dtype):
     """A step in bf16, prefill or decode, copies from the device once: the sampled tokens (the MoE grouped GEMM
@@ -159,13 +171,7 @@ def test_step_copies_to_host(tiny_dir, dtype):
     with emulated_cuda(capability=(9, 0)) as stats:
         engine = LLM(model=str(tiny_dir("base")), device="cuda", dtype=dtype).engine
         moe_layers = sum(1 for m in engine.executor.worker.runner.model.modules() if type(m).__name__ == "MoE")
-        for rid, prompt in enumerate(PROMPTS):
-            engine.add_request(str(rid), prompt, params)
-        counts: list[int] = []
-        while engine.has_unfinished_requests():
-            before = stats.device_to_host
-            engine.step()
-            counts.append(stats.device_to_host - before)
+        counts = host_copies_per_step(engine, params, stats)
     # Step 1 prefills all three prompts (saving a prefix-cache checkpoint at token 48 of the second); steps 2-9
     # decode all three.
     assert moe_layers > 0
@@ -205,12 +211,6 @@ def test_expanded_sdpa_prefill_on_emulated_cuda(tiny_dir, monkeypatch: pytest.Mo
     with emulated_cuda(capability=(9, 0)) as stats:
         gpu = LLM(model=path, device="cuda", enforce_eager=True).generate(PROMPTS, params)
         assert [o.outputs[0].token_ids for o in gpu] == cpu
-        engine = LLM(model=path, device="cuda", dtype="bfloat16", enforce_eager=True).engine
-        for rid, prompt in enumerate(PROMPTS):
-            engine.add_request(str(rid), prompt, params)
-        counts: list[int] = []
-        while engine.has_unfinished_requests():
-            before = stats.device_to_host
-            engine.step()
-            counts.append(stats.device_to_host - before)
+        counts = host_copies_per_step(LLM(model=path, device="cuda", dtype="bfloat16", enforce_eager=True).engine,
+                                      params, stats)
     assert counts == [1] * 5, counts

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -64,12 +63,5 @@ def _run(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor,
 
 
 def _kernel() -> Callable[..., int] | None:
-    lib = native_backend.load(str(SOURCE))
-    if lib is None:
-        return None
-    fn = lib.kda_recurrent
-    if fn.argtypes is None:
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 \
-            + [ctypes.c_void_p, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return cast(Callable[..., int], fn)
+    return native_backend.function(str(SOURCE), "kda_recurrent", [ctypes.c_void_p] * 6 + [ctypes.c_int64]
+                                   + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -67,12 +66,6 @@ def _run(x: Tensor, weight: Tensor, pool: Tensor, chunks: Chunks, activation: st
 
 
 def _kernel() -> Callable[..., int] | None:
-    lib = native_backend.load(str(SOURCE))
-    if lib is None:
-        return None
-    fn = lib.short_conv_step
-    if fn.argtypes is None:
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 \
-            + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return cast(Callable[..., int], fn)
+    return native_backend.function(str(SOURCE), "short_conv_step", [ctypes.c_void_p] * 3
+                                   + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+                                   + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
