@@ -115,9 +115,15 @@ def run_deltaserve(args: OfflineBenchArgs, model: str, prompts: list[list[int]])
         result["spec_decode"] = {"num_drafts": stats.spec_num_drafts, "num_draft_tokens": stats.spec_num_draft_tokens,
                                  "num_accepted_tokens": stats.spec_num_accepted_tokens,
                                  "accepted_per_pos": list(stats.spec_accepted_per_pos)}
-    if args.roofline:
-        from deltaserve.executor.uniproc import UniprocExecutor
+    from deltaserve.executor.uniproc import UniprocExecutor
 
+    executor = llm.engine.executor
+    runner = executor.worker.runner if isinstance(executor, UniprocExecutor) else None
+    graphs = None if runner is None else runner.graphs
+    result["cuda_graphs"] = {"captured": graphs is not None and graphs.captured,
+                             "sizes": [] if graphs is None else list(graphs.sizes),
+                             "replays": 0 if graphs is None else graphs.replays}
+    if args.roofline:
         executor = llm.engine.executor
         if not isinstance(executor, UniprocExecutor):
             raise ValueError("--roofline reads the model's bytes: it needs the in-process executor")
@@ -188,6 +194,9 @@ def run(args: OfflineBenchArgs) -> dict[str, Any]:
     print(f"deltaserve:   {ours['output_throughput']:8.1f} output tok/s ({ours['seconds']:.2f} s); "
           f"{ours['engine_overhead_share']:.1%} of engine step time outside the model forward, "
           f"{ours['frontend_share']:.1%} of wall time in the frontend", flush=True)
+    if ours["cuda_graphs"]["captured"]:
+        cg = ours["cuda_graphs"]
+        print(f"CUDA graphs: sizes {cg['sizes']}, {cg['replays']} decode steps replayed", flush=True)
     if "spec_decode" in ours:
         sd = ours["spec_decode"]
         print(f"speculative decoding: {sd['num_accepted_tokens']} of {sd['num_draft_tokens']} proposed tokens "

@@ -236,3 +236,4 @@ def test_bench_offline_runs_and_writes_json(tiny_dir, tmp_path):
     # 4 tokens each: the first comes out of the prefill step, the other 3 out of pure decode steps of all 3 prompts.
     assert roof["decode_steps"] == 3 and roof["mean_batch"] == 3
     assert 0 < roof["share"] < 1 and roof["bandwidth_bytes_per_s"] > 0 and roof["mean_bytes_per_step"] > 0
+    assert data["deltaserve"]["cuda_graphs"] == {"captured": False, "sizes": [], "replays": 0}  # a CPU: eager
