@@ -4,10 +4,17 @@
 # decode roofline share. The device machine has torch, transformers, safetensors, tokenizers and tiktoken but no
 # network, so the package runs from the checkout (PYTHONPATH), not installed. Logs and JSON go to ${OUT:-gpu-results}/.
 # Usage (from the repository root): bash scripts/gpu_checks.sh
+# fla-core (KDA prefill's `fla` backend) is not on the device machine and it has no network: carry it as wheels.
+# Here, once: echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: -d .whl \
+#   fla-core==0.6.0 einops==0.8.2   (both pure Python); then `run` with carry [".whl"]: this script installs them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-results}
 mkdir -p "$out"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 { nvidia-smi; $py -c "import torch, transformers; print(torch.__version__, transformers.__version__,
