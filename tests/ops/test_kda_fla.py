@@ -101,3 +101,46 @@ def test_chunk_kda_on_cuda_bf16(lengths, checkpoints, heads, dk, dv):
     out = kda_prefill(q, k, v, g, beta, ours, slots, cu, checkpoints, ckpt_slots)
     want = ref.kda_prefill(q, k, v, g, beta, theirs, slots, cu, checkpoints, ckpt_slots)
     assert rel(out, want) <= 2**-6 and rel(ours, theirs) <= 1e-3
+
+
+SELECT = """
+import logging, sys
+import torch
+if "hide" in sys.argv:
+    sys.modules["fla"] = None
+logging.basicConfig(level=logging.INFO, format="LOG %(message)s", stream=sys.stdout)
+from deltaserve.ops.kda import kda_prefill
+from tests.emulated_cuda import emulated_cuda
+
+picked = []
+with emulated_cuda():
+    for device, dtype in (("cuda", torch.bfloat16), ("cuda", torch.float32), ("cuda", torch.float64),
+                          ("cpu", torch.float32)):
+        x = torch.zeros(3, 2, 32, device=device, dtype=dtype)
+        pool = torch.zeros(2, 2, 32, 32, device=device,
+                           dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        beta = torch.zeros(3, 2, device=device, dtype=torch.float32)
+        picked.append(kda_prefill.select(x, x, x, x.float(), beta, pool, torch.tensor([0]), [0, 3]))
+print("PICKED", " ".join(picked))
+"""
+
+
+@pytest.mark.parametrize("hide", [False, True], ids=["installed", "missing"])
+def test_dispatch_picks_chunk_kda_on_cuda_and_falls_back_without_fla(hide):
+    """Kernels compiled (no interpreter) on an emulated CUDA device: bf16 and fp32 prefills go to fla's `chunk_kda`,
+    fp64 to the reference, CPU tensors to the CPU backend; without fla-core the CUDA prefills take the reference, and
+    one log line says so. In a subprocess: the emulator and the interpreter setting are process-wide."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DELTASERVE_OPS_BACKEND")}
+    res = subprocess.run([sys.executable, "-c", SELECT, *(["hide"] if hide else [])], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    picked = next(line for line in lines if line.startswith("PICKED")).split()[1:]
+    fast = "ref" if hide else "fla"
+    assert picked == [fast, fast, "ref", "cpu"]
+    assert sum("fla-core is not installed" in line for line in lines) == (1 if hide else 0)

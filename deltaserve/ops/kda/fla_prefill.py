@@ -16,7 +16,9 @@ with its usual checkpoint at the last full block is two.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -24,13 +26,25 @@ from torch import Tensor
 
 from deltaserve.ops import triton_backend
 
+logger = logging.getLogger(__name__)
+
 MAX_HEAD_DIM = 256
 """Largest key / value head size `chunk_kda` takes."""
 
 
+@functools.cache
 def available() -> bool:
-    """fla-core is installed (the `kernels` extra) and Triton kernels run here."""
-    return importlib.util.find_spec("fla") is not None and triton_backend.available()
+    """fla-core is installed (the `kernels` extra) and Triton kernels run here. Where Triton runs but fla-core is
+    missing, says so once: KDA prefills then take the reference."""
+    if not triton_backend.available():
+        return False
+    try:
+        found = importlib.util.find_spec("fla") is not None
+    except (ImportError, ValueError):  # hidden (`sys.modules["fla"] = None`) or broken
+        found = False
+    if not found:
+        logger.info("fla-core is not installed: KDA prefill runs the reference (pip install 'deltaserve[kernels]')")
+    return found
 
 
 def supports(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, *args: object,
