@@ -41,6 +41,26 @@ bench offline-bf16-1x256x256-eager --dtype bfloat16 --num-prompts 1 --input-len 
 bench offline-bf16-8x256x256 --dtype bfloat16 --num-prompts 8 --input-len 256 --output-len 256 --no-baseline
 bench offline-bf16-8x256x256-eager --dtype bfloat16 --num-prompts 8 --input-len 256 --output-len 256 --no-baseline \
   --enforce-eager
+# Kimi-Linear-48B layer shapes on 2 layers (layer 1: KDA, 32 heads of 128, with the dense 9216 FFN; layer 2: MLA,
+# 32 heads, rank 512, with 64 of the 256 experts, top-8, and the shared expert; vocabulary 163840), bf16, batch 1, 8
+# and 32 against transformers (with fla), and a 2K prefill: per-layer figures, scaled to 27 layers in the report.
+mk() { $py -m deltaserve.entrypoints.cli make-tiny "$@" > /dev/null 2>&1 || echo "make-tiny failed: $*"; }
+mk /tmp/k48x2 --hidden 2304 --layers 2 --vocab 163840 --intermediate 9216 --moe-intermediate 1024 --experts 64 \
+  --top-k 8 --shared-experts 1 --num-expert-group 1 --topk-group 1 --kda-heads 32 --kda-head-dim 128 --mla-heads 32 \
+  --kv-lora-rank 512 --qk-nope-head-dim 128 --qk-rope-head-dim 64 --v-head-dim 128 --first-k-dense 1
+for b in 1 8 32; do
+  bench k48x2-bf16-b$b --model /tmp/k48x2 --dtype bfloat16 --num-prompts $b --input-len 256 --output-len 128
+done
+bench k48x2-bf16-prefill2k --model /tmp/k48x2 --dtype bfloat16 --num-prompts 1 --input-len 2048 --output-len 2
+# A Kimi K3 shape with MXFP4 experts (hidden 7168, 96 KDA / MLA heads, q-LoRA 1536, LatentMoE 3584 with 32 of the
+# 896 experts of width 3072, top-16, 2 shared, SiTU, Block AttnRes) on 2 layers, vocabulary cut to 32768.
+mk /tmp/k3x2 --arch kimi_k3 --hidden 7168 --layers 2 --vocab 32768 --intermediate 33792 --moe-intermediate 3072 \
+  --latent-size 3584 --experts 32 --top-k 16 --shared-experts 2 --num-expert-group 1 --topk-group 1 --kda-heads 96 \
+  --kda-head-dim 128 --mla-heads 96 --q-lora-rank 1536 --kv-lora-rank 512 --qk-nope-head-dim 128 \
+  --qk-rope-head-dim 64 --v-head-dim 128 --first-k-dense 1 --attn-res-block-size 2 --routed-scaling-factor 1.0
+for b in 1 32; do
+  bench k3x2-bf16-b$b --model /tmp/k3x2 --dtype bfloat16 --num-prompts $b --input-len 256 --output-len 64 --no-baseline
+done
 # The host tier's copies on a copy stream beside the forward vs all before it (issue 20), rehydrating an evicted 4K
 # session on the tiny checkpoint.
 $py -m deltaserve.entrypoints.cli bench followup --device cuda --evict-tokens 8000 --num-blocks 400 \
