@@ -232,6 +232,10 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = None
     """Decode batch sizes captured as CUDA graphs on a GPU (vLLM's `--cuda-graph-sizes`); a step of n sequences
     replays the smallest size >= n. None: 1, 2, 4 and every multiple of 8 up to max_num_seqs (at most 512)."""
+    max_seq_len_to_capture: int = 8192
+    """Longest sequence (tokens) a decode graph covers (vLLM's `--max-seq-len-to-capture`): a step with a longer one
+    runs eagerly. Graphs are captured for block tables this wide, and the MLA decode kernel's split-KV grid grows
+    with it, whatever the real contexts."""
     structured_output_backend: str = "llguidance"
     """Library that compiles structured-output constraints (JSON schema, regex, Lark grammar) into token masks:
     'llguidance' (default) or 'xgrammar' (optional, not installed by default; no Lark grammars)."""
@@ -255,6 +259,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError(f"max_seq_len_to_capture must be >= 1, got {self.max_seq_len_to_capture}")
         if self.cuda_graph_sizes is not None:
             sizes = tuple(self.cuda_graph_sizes)
             if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):

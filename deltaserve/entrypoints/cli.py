@@ -23,7 +23,8 @@ def _generate(args: argparse.Namespace) -> int:
                    for f in dataclasses.fields(cls)}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, device=args.device,
               speculative_config=args.speculative_config, enforce_eager=args.enforce_eager,
-              cuda_graph_sizes=args.cuda_graph_sizes, **engine_args)
+              cuda_graph_sizes=args.cuda_graph_sizes, max_seq_len_to_capture=args.max_seq_len_to_capture,
+              **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     out = llm.generate(args.prompt, params)[0].outputs[0]
@@ -66,6 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
                           device=args.device, enforce_eager=args.enforce_eager,
                           cuda_graph_sizes=None if args.cuda_graph_sizes is None else tuple(args.cuda_graph_sizes),
+                          max_seq_len_to_capture=args.max_seq_len_to_capture,
                           structured_output_backend=args.structured_output_backend,
                           # The API process keeps a core of its own (utils/cpu_threads.py).
                           num_threads=args.num_threads if args.num_threads is not None or args.device != "cpu"
@@ -190,6 +192,9 @@ def _add_graph_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                         help="decode batch sizes captured as CUDA graphs on a GPU (default: 1 2 4 and every multiple "
                              "of 8 up to --max-num-seqs, at most 512)")
+    parser.add_argument("--max-seq-len-to-capture", type=int, default=8192, metavar="N",
+                        help="longest sequence a decode graph covers; steps with a longer one run eagerly (default: "
+                             "8192)")
 
 
 def _add_kv_transfer_arg(group: argparse._ArgumentGroup) -> None:

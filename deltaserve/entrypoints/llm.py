@@ -77,6 +77,8 @@ class LLM:
         enforce_eager: never capture CUDA graphs (`--enforce-eager`).
         cuda_graph_sizes: decode batch sizes captured as CUDA graphs on a GPU (`--cuda-graph-sizes`; default: 1, 2,
             4 and every multiple of 8 up to max_num_seqs, at most 512).
+        max_seq_len_to_capture: longest sequence a decode graph covers; longer ones decode eagerly
+            (`--max-seq-len-to-capture`, default 8192).
         speculative_config: speculative decoding, as a dict, its JSON text (vLLM's keys, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 3}``) or a `SpeculativeConfig`; none: plain decoding.
         kv_transfer_config: prefill/decode disaggregation (vLLM's `--kv-transfer-config` keys), as a dict, its
@@ -93,7 +95,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, structured_output_backend: str = "llguidance", device: str = "cpu",
                  num_threads: int | None = None, enforce_eager: bool = False,
-                 cuda_graph_sizes: Sequence[int] | None = None,
+                 cuda_graph_sizes: Sequence[int] | None = None, max_seq_len_to_capture: int = 8192,
                  speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None,
                  kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
                  **engine_args: Any) -> None:
@@ -110,6 +112,7 @@ class LLM:
             model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
             num_threads=num_threads, structured_output_backend=structured_output_backend, enforce_eager=enforce_eager,
             cuda_graph_sizes=None if cuda_graph_sizes is None else tuple(cuda_graph_sizes),
+            max_seq_len_to_capture=max_seq_len_to_capture,
             cache=CacheConfig(**{k: v for k, v in engine_args.items() if k in cache_fields}),
             scheduler=SchedulerConfig(**{k: v for k, v in engine_args.items() if k in sched_fields}),
             parallel=ParallelConfig(**{k: v for k, v in engine_args.items() if k in parallel_fields}),

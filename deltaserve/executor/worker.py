@@ -116,7 +116,9 @@ class Worker:
                                   num_host_blocks=layout.num_host_blocks, num_host_slots=layout.num_host_slots,
                                   overlap_host_copies=envs.host_copy_overlap(),
                                   rejection_sample_method=self._rejection_sample_method(),
-                                  graphs=self._graph_settings(layout.block_size))
+                                  graphs=(graphs := self._graph_settings(layout.block_size)))
+        if graphs is not None and graphs.capture:
+            self.runner.capture_graphs(lambda ok: ok if self.group.size == 1 else self._on_every_rank([ok])[0])
         spec = self.config.speculative_config
         if spec is not None and spec.method in BLOCK_DRAFTERS:
             path = resolve_drafter_path(spec.model, self.config.model)
@@ -148,17 +150,18 @@ class Worker:
     def _decode_graphs(self, log: bool = False) -> bool:
         """Decode graphs on a GPU unless `enforce_eager` (or their padded eager twin on a CPU when
         `DELTASERVE_CPU_DECODE_GRAPHS` asks); none where a step needs more than the token embeddings and the forward:
-        a block drafter (its feature taps are forward hooks), a vision tower (image features), EPLB (host-side
-        routing counts)."""
+        a block drafter (its feature taps are forward hooks), a vision tower (image features), expert parallelism
+        (its placement tables are copied from the host every forward; EPLB counts routing on the host)."""
         config = self.config
         if config.enforce_eager or not (self.device.type == "cuda" or envs.cpu_decode_graphs()):
             return False
         spec = config.speculative_config
         drafter = spec is not None and spec.method in BLOCK_DRAFTERS
-        if drafter or self.vision is not None or config.parallel.enable_eplb:
+        par = config.parallel
+        if drafter or self.vision is not None or par.enable_expert_parallel or par.enable_eplb:
             if log:
                 logger.info("CUDA graphs off: %s", "a block drafter" if drafter
-                            else "a vision tower" if self.vision is not None else "EPLB")
+                            else "a vision tower" if self.vision is not None else "expert parallelism")
             return False
         return True
 
@@ -169,7 +172,7 @@ class Worker:
             return None
         config, spec = self.config, self.config.speculative_config
         model_limit = ModelConfig.from_pretrained(config.model).max_model_len
-        max_len = min(config.max_model_len or model_limit, model_limit)
+        max_len = min(config.max_model_len or model_limit, model_limit, config.max_seq_len_to_capture)
         proposals = 0 if spec is None else spec.num_speculative_tokens
         sizes = config.cuda_graph_sizes or default_graph_sizes(config.scheduler.max_num_seqs)
         return GraphSettings(sizes=sizes, max_blocks=-(-(max_len + proposals + 1) // block_size),

@@ -87,18 +87,41 @@ class DecodeGraphs:
         return next((s for s in self.sizes if s >= num_seqs), None)
 
     @torch.inference_mode()
+    def warm_up(self) -> bool:
+        """Run every size's padded forward twice (Triton compiles and lazy initialisations happen here, not in a
+        capture) with CUDA's sync debug mode on "error": an op that reads the device back or copies from pageable
+        host memory, which a capture cannot hold, fails here, before any capture has begun. False (logged) if one
+        does."""
+        mode: int | None = None
+        try:
+            mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            for s in reversed(self.sizes):
+                self._pad(0, s)
+                for _ in range(2):
+                    self._forward(s, self.caches)
+            torch.cuda.set_sync_debug_mode(mode)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - any failure leaves the engine correct, only eager
+            logger.warning("CUDA graphs off: a decode step cannot be captured (%s: %s); decoding eagerly",
+                           type(e).__name__, e)
+            return False
+        finally:
+            if mode is not None:
+                torch.cuda.set_sync_debug_mode(mode)
+        return True
+
+    @torch.inference_mode()
     def capture(self) -> bool:
-        """Capture a graph per size, largest first, all in one memory pool; False (and eager steps from then on) if
-        any capture fails."""
+        """Capture a graph per size, largest first, all in one memory pool (after `warm_up`); False (logged, no
+        graph kept) if a capture fails."""
         try:
             pool = torch.cuda.graph_pool_handle()
             for s in reversed(self.sizes):
                 self._pad(0, s)
-                for _ in range(2):  # warm-up: Triton compiles and lazy initialisations happen outside the capture
-                    self._forward(s, self.caches)
-                torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # thread_local: the NCCL watchdog's calls from its own thread do not invalidate the capture.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     logits = self._forward(s, self.caches)
                 self._graphs[s] = (graph, logits)
         except Exception as e:  # noqa: BLE001 - any failure leaves the engine correct, only eager

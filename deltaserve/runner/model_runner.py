@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +58,7 @@ class ModelRunner:
         """`num_host_blocks`, `num_host_slots`: the host tier of the prefix cache (none when 0);
         `overlap_host_copies`: its copies run beside the forward, layer by layer (False: all before it; None: beside
         it on a GPU, before it on a CPU); `graphs`: pure-decode steps padded to these sizes on static buffers
-        (`runner.cuda_graphs`), captured as CUDA graphs here where the settings say so."""
+        (`runner.cuda_graphs`), captured as CUDA graphs by `capture_graphs` where the settings say so."""
         self.model = model
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         self.device = next(model.parameters()).device
@@ -94,8 +94,15 @@ class ModelRunner:
         self.rejection_sample_method = rejection_sample_method
         """How proposals with draft distributions are verified: 'standard' (token by token) or 'block' (jointly,
         `ops.sampling.block_rejection_sample`)."""
-        if graphs is not None and graphs.capture and self.graphs is not None and not self.graphs.capture():
-            self.graphs = None  # the capture failed (logged): plain eager steps
+
+    def capture_graphs(self, agree: Callable[[bool], bool] = lambda ok: ok) -> None:
+        """Warm up and capture the decode graphs (a GPU). `agree(ok)`: whether every rank's warm-up succeeded, so
+        that all ranks capture or none (their graphs hold the collectives). On any failure (logged) the steps stay
+        eager."""
+        if self.graphs is None:
+            return
+        if not (agree(self.graphs.warm_up()) and self.graphs.capture()):
+            self.graphs = None
 
     # -- the engine's entry point --------------------------------------------------------------------------------
 

@@ -144,3 +144,16 @@ def test_dispatch_picks_chunk_kda_on_cuda_and_falls_back_without_fla(hide):
     fast = "ref" if hide else "fla"
     assert picked == [fast, fast, "ref", "cpu"]
     assert sum("fla-core is not installed" in line for line in lines) == (1 if hide else 0)
+
+
+def test_bad_checkpoints_are_the_references_errors() -> None:
+    """Checkpoints past a sequence's end, unsorted, or without slots: the reference's ValueError, before any kernel
+    runs (so on a CPU without the interpreter too)."""
+    (q, k, v, g, beta), pool, cu = problem([5, 4], 2, 32, 32, False, seed=3)
+    slots = torch.tensor([0, 1])
+    for positions, ckpt_slots in (([[6], []], [[2], []]), ([[3, 2], []], [[2, 3], []]), ([[2], []], None)):
+        with pytest.raises(ValueError) as theirs:
+            ref.kda_prefill(q, k, v, g, beta, pool.clone(), slots, cu, positions, ckpt_slots)
+        with pytest.raises(ValueError) as ours:
+            fla_prefill.kda_prefill_fla(q, k, v, g, beta, pool.clone(), slots, cu, positions, ckpt_slots)
+        assert str(ours.value) == str(theirs.value)

@@ -149,3 +149,18 @@ def test_the_planner_reserves_the_padding_block_and_slot(tiny_dir, padded_decode
     a, b = plain.cache.usage(), padded.cache.usage()
     assert b.num_slots <= a.num_slots and b.num_blocks <= a.num_blocks
     assert (b.num_blocks, b.num_slots) != (a.num_blocks, a.num_slots), (a, b)
+
+
+def test_sequences_longer_than_max_seq_len_to_capture_decode_eagerly(tiny_dir, padded_decode) -> None:
+    """Graphs cover block tables up to `max_seq_len_to_capture` tokens (with room for the step's token): once a
+    sequence outgrows them its steps run eagerly, with the same tokens."""
+    path, prompt = str(tiny_dir("base")), prompt_ids(1024, 20, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    eager = LLM(model=path, enforce_eager=True).generate([prompt], params)[0].outputs[0].token_ids
+    llm = LLM(model=path, cuda_graph_sizes=(1, 2), max_seq_len_to_capture=31)
+    graphs = runner_of(llm).graphs
+    assert graphs is not None and graphs.max_blocks == 2  # 32 tokens of 16-token blocks
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == eager
+    assert 0 < graphs.replays < 29  # decode steps at contexts 21..32 replayed, the rest eager
+    with pytest.raises(ValueError, match="max_seq_len_to_capture"):
+        EngineConfig(model=path, max_seq_len_to_capture=0)

@@ -72,7 +72,11 @@ def kda_prefill_fla(
     reference's and does not change results beyond rounding)."""
     from fla.ops.kda import chunk_kda
 
+    from deltaserve.ops.kda.ref import _check_checkpoints
+
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
+    if checkpoint_positions is not None or checkpoint_slots is not None:
+        _check_checkpoints(checkpoint_positions, checkpoint_slots, cu)  # the reference's errors, before any work
     num_seqs, scale = len(cu) - 1, q.shape[-1] ** -0.5
     out = torch.empty(q.shape[0], *v.shape[1:], dtype=q.dtype, device=q.device)
     ckpts = checkpoint_positions or [()] * num_seqs
