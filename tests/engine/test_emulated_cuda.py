@@ -214,3 +214,19 @@ def test_expanded_sdpa_prefill_on_emulated_cuda(tiny_dir, monkeypatch: pytest.Mo
         counts = host_copies_per_step(LLM(model=path, device="cuda", dtype="bfloat16", enforce_eager=True).engine,
                                       params, stats)
     assert counts == [1] * 5, counts
+
+
+def test_a_decode_step_that_cannot_be_captured_leaves_the_engine_eager(tiny_dir, caplog):
+    """On a CUDA device the worker warms the decode graphs up before capturing them; where that fails (here: the
+    emulated device has no CUDA runtime for the sync check) one line says so and every step runs eagerly, with the CPU
+    run's tokens."""
+    import logging
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with moe_reference_on_cpu():
+        cpu = [o.outputs[0].token_ids for o in LLM(model=str(tiny_dir("base"))).generate(PROMPTS, params)]
+    with caplog.at_level(logging.INFO, logger="deltaserve"), emulated_cuda():
+        llm = LLM(model=str(tiny_dir("base")), device="cuda", cuda_graph_sizes=(1, 2, 4))
+        assert llm.engine.executor.worker.runner.graphs is None
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == cpu
+    assert sum("CUDA graphs off" in r.getMessage() for r in caplog.records) == 1
