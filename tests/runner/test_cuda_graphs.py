@@ -80,7 +80,11 @@ def test_padded_decode_equals_eager_with_preemption_and_prefix_hits(tiny_dir, pa
 
 
 def test_enforce_eager_and_block_drafters_keep_steps_unpadded(tiny_dir, padded_decode) -> None:
+    """`enforce_eager`, and a block drafter (its feature taps are forward hooks a replay would skip: the embedded
+    model's dspark drafter), leave the runner without decode graphs; otherwise it has them."""
     assert runner_of(LLM(model=str(tiny_dir("base")), enforce_eager=True)).graphs is None
+    dspark = {"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": False}
+    assert runner_of(LLM(speculative_config=dspark, cuda_graph_sizes=(1, 2))).graphs is None
     llm = LLM(model=str(tiny_dir("base")), cuda_graph_sizes=(1, 2))
     assert runner_of(llm).graphs is not None
 
