@@ -79,12 +79,12 @@ def test_padded_decode_equals_eager_with_preemption_and_prefix_hits(tiny_dir, pa
     assert usage.num_free_slots == usage.num_slots
 
 
-def test_enforce_eager_and_block_drafters_keep_steps_unpadded(tiny_dir, padded_decode) -> None:
-    """`enforce_eager`, and a block drafter (its feature taps are forward hooks a replay would skip: the embedded
-    model's dspark drafter), leave the runner without decode graphs; otherwise it has them."""
+def test_enforce_eager_and_a_vision_tower_keep_steps_unpadded(tiny_dir, padded_decode) -> None:
+    """`enforce_eager`, and a vision tower (image features replace token embeddings: the embedded model has one),
+    leave the runner without decode graphs; otherwise it has them. (The block-drafter condition has no test of its
+    own: the one shipped drafter belongs to the embedded model, whose vision tower turns graphs off first.)"""
     assert runner_of(LLM(model=str(tiny_dir("base")), enforce_eager=True)).graphs is None
-    dspark = {"method": "dspark", "num_speculative_tokens": 7, "enable_adaptive_verification": False}
-    assert runner_of(LLM(speculative_config=dspark, cuda_graph_sizes=(1, 2))).graphs is None
+    assert runner_of(LLM(cuda_graph_sizes=(1, 2))).graphs is None
     llm = LLM(model=str(tiny_dir("base")), cuda_graph_sizes=(1, 2))
     assert runner_of(llm).graphs is not None
 
