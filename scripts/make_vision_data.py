@@ -39,6 +39,18 @@ QUESTIONS: dict[str, tuple[str, ...]] = {
              "What is written here?"),
     "describe": ("What is in this image?", "Describe the image.", "What do you see?", ""),
 }
+# More phrasings for training only (`extra_phrasings=True`), so that the model learns the picture rather than a few
+# questions' wording; none is a held-out phrasing, and the default question set (what the evaluation asks) is as before.
+EXTRA_QUESTIONS: dict[str, tuple[str, ...]] = {
+    "colour": ("Which color is the shape in the picture?", "What colour do you see?", "Colour?",
+               "What is the color of this?", "Can you tell me its colour?", "What colour are they?"),
+    "shape": ("Which shape is it?", "What kind of shape is shown?", "Shape?", "What shape is drawn here?",
+              "Can you tell me the shape?"),
+    "count": ("How many shapes are in the image?", "Count them.", "How many?", "What is the number of shapes?",
+              "How many shapes can you see?"),
+    "word": ("Read this.", "What word is it?", "What is the word?", "What does it say?", "Read the text."),
+    "describe": ("What is this?", "What is shown here?", "Describe this picture.", "What is in the picture?"),
+}
 HELDOUT_QUESTIONS: dict[str, tuple[str, ...]] = {
     "colour": ("Tell me the colour of the shape.",),
     "shape": ("Name the shape in this picture.",),
@@ -154,9 +166,11 @@ def word_image(rng: random.Random) -> tuple[Image.Image, str]:
         return image, word
 
 
-def make_example(rng: random.Random, heldout_phrasing: bool = False) -> VisionExample:
-    """One picture and one question about it."""
+def make_example(rng: random.Random, heldout_phrasing: bool = False, extra_phrasings: bool = False) -> VisionExample:
+    """One picture and one question about it (with `extra_phrasings`, drawn from the training-only phrasings too)."""
     questions = HELDOUT_QUESTIONS if heldout_phrasing else QUESTIONS
+    if extra_phrasings:
+        questions = {kind: QUESTIONS[kind] + EXTRA_QUESTIONS[kind] for kind in QUESTIONS}
     roll = rng.random()
     if roll < 0.25:
         image, word = word_image(rng)

@@ -141,8 +141,9 @@ class Example:
         self.ids, self.mask, self.pixels, self.grid, self.caption = ids, mask, pixels, grid, caption
 
 
-def render(fmt, tok: Tokenizer, processing: ImageProcessingConfig, rng: random.Random) -> Example:
-    ex = make_example(rng)
+def render(fmt, tok: Tokenizer, processing: ImageProcessingConfig, rng: random.Random,
+           extra_phrasings: bool = False) -> Example:
+    ex = make_example(rng, extra_phrasings=extra_phrasings)
     image = preprocess_image(load_pil_image(ex.image), processing)
     at_end = rng.random() < 0.3  # the image after the question sometimes, before it mostly (as clients send)
     slot = ImageSlot(position=len(ex.question) if at_end else 0, num_tokens=image.num_tokens)
@@ -175,6 +176,8 @@ def main() -> None:  # noqa: PLR0915, C901 - a linear script
     parser.add_argument("--text-rows", type=int, default=0,
                         help="rows of the language model's own training data (train_tiny.py's mix) per step, so that "
                              "training on images does not erase its tool calling")
+    parser.add_argument("--extra-phrasings", action="store_true",
+                        help="ask make_vision_data's training-only phrasings too (never the held-out ones)")
     parser.add_argument("--time-limit-min", type=float, default=None,
                         help="stop early (cosine schedule still planned for --steps) and save")
     args = parser.parse_args()
@@ -239,7 +242,7 @@ def main() -> None:  # noqa: PLR0915, C901 - a linear script
     tokens_seen = 0
     step = 0
     for step in range(args.steps):
-        batch = [render(fmt, tok, processing, rng) for _ in range(args.batch)]
+        batch = [render(fmt, tok, processing, rng, args.extra_phrasings) for _ in range(args.batch)]
         width = max(len(e.ids) for e in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.bool)

@@ -7,8 +7,8 @@ bytes per token and state bytes per sequence come from the rank's cache specs; t
 left after weights and an activation reserve into state slots and KV blocks as the engine would. `--arch kimi-k3`
 uses Kimi K3's published config (model-spec §1.3: 93 layers, 896 experts of 3072, MXFP4 routed experts).
 `--expert-parallel-size` above the tensor-parallel size plans an expert-parallel group spanning data-parallel
-replicas (TP8 x DP2 x EP16); deltaserve's engine partitions experts within one replica's ranks only, so that row is
-arithmetic on the measured expert bytes, marked as such.
+replicas (TP8 x DP2 x EP16, as `--data-parallel-size 2 --enable-expert-parallel` runs it): the rank's experts are
+then its share of that group, measured from its tensors like the rest.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def rank_model(args: MemoryPlanArgs) -> Any:
 
     from deltaserve.config import ModelConfig
     from deltaserve.distributed import ParallelGroup
+    from deltaserve.distributed.replica_experts import ReplicaExperts
     from deltaserve.models.registry import model_class
 
     if args.arch == "kimi-k3":
@@ -73,10 +74,18 @@ def rank_model(args: MemoryPlanArgs) -> Any:
         config = ModelConfig.from_dict(tiny_k3_config_dict(TinySpec(**K3_SPEC), ids))  # type: ignore[arg-type]
     else:
         config = ModelConfig.from_pretrained(args.arch)
-    tp = ParallelGroup(rank=0, size=args.tensor_parallel_size)  # shapes only: no collective runs
+    tp_size = args.tensor_parallel_size
+    tp = ParallelGroup(rank=0, size=tp_size)  # shapes only: no collective runs
+    ep = args.expert_parallel_size or tp_size
+    replicas = None
+    if args.enable_expert_parallel and ep != tp_size:
+        if ep % tp_size:
+            raise SystemExit(f"--expert-parallel-size {ep} is not a multiple of --tensor-parallel-size {tp_size}")
+        replicas = ReplicaExperts(ep=ParallelGroup(rank=0, size=ep), replica=0, replicas=ep // tp_size,
+                                  tp_size=tp_size)
     with torch.device("meta"):
         return model_class(config)(config, dtype=getattr(torch, args.dtype), tp=tp,
-                                   expert_parallel=args.enable_expert_parallel)
+                                   expert_parallel=args.enable_expert_parallel, replicas=replicas)
 
 
 def run(args: MemoryPlanArgs) -> dict[str, Any]:
@@ -93,8 +102,6 @@ def run(args: MemoryPlanArgs) -> dict[str, Any]:
             other_bytes += nbytes
     tp = args.tensor_parallel_size
     ep = args.expert_parallel_size or (tp if args.enable_expert_parallel else 1)
-    if ep != tp and args.enable_expert_parallel:
-        expert_bytes = expert_bytes * tp // ep  # a wider expert group: arithmetic, see the module docstring
     weights = expert_bytes + other_bytes
     specs = model.cache_specs()
     kv_per_token = sum(s.bytes_per_token for s in specs if isinstance(s, KVCacheSpec))

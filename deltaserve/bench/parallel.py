@@ -120,7 +120,7 @@ def time_collectives(world: int, reduce_shape: tuple[int, int], gather_shape: tu
     `world` spawned ranks on this machine."""
     import multiprocessing
 
-    from deltaserve.executor.multiproc import free_port
+    from deltaserve.utils.ports import free_port
 
     ctx = multiprocessing.get_context("spawn")
     port = free_port()

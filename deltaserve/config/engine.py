@@ -10,9 +10,10 @@ import re
 from dataclasses import dataclass, field
 
 from deltaserve import envs
+from deltaserve.config.dp_experts import ExpertReplicas
 from deltaserve.config.fields import check_field_types
 from deltaserve.config.kv_transfer import KVTransferConfig
-from deltaserve.config.speculative import SpeculativeConfig
+from deltaserve.config.speculative import BLOCK_DRAFTERS, SpeculativeConfig
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -149,8 +150,9 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """Engine replicas (each with `tensor_parallel_size` ranks) behind one API server and its router."""
     enable_expert_parallel: bool = False
-    """Partition the routed experts over the tensor-parallel ranks (each rank holds whole experts) instead of
-    sharding every expert's width."""
+    """Partition the routed experts over the ranks (each rank holds whole experts) instead of sharding every
+    expert's width: over the tensor-parallel ranks, and with data_parallel_size > 1 over every rank of every replica
+    (attention stays data-parallel; the replicas step in lockstep and exchange tokens in each MoE layer)."""
     distributed_executor_backend: str | None = None
     """Where the worker ranks run: 'uni' (in the engine process; one rank only), 'mp' (a process per rank on this
     machine) or 'ray' (a Ray actor per rank in a placement group). Default: 'uni' for one rank, 'mp' otherwise."""
@@ -168,6 +170,8 @@ class ParallelConfig:
     load_balance_method: str = "session_affinity"
     """How the data-parallel router picks a replica: 'session_affinity' (a request whose session id or prompt
     prefix a replica has served goes back to it, others to the least loaded) or 'least_loaded'."""
+    expert_replicas: ExpertReplicas | None = field(default=None, metadata={"cli": False})
+    """One replica's place among replicas whose experts form one group (set by the data-parallel client)."""
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -190,6 +194,9 @@ class ParallelConfig:
         if self.load_balance_method not in ("session_affinity", "least_loaded"):
             raise ValueError(f"load_balance_method={self.load_balance_method!r} is not supported "
                              "(supported: 'session_affinity', 'least_loaded')")
+        if self.experts_span_replicas and self.executor_backend == "ray":
+            raise ValueError("enable_expert_parallel with data_parallel_size > 1 (experts over every replica's "
+                             "ranks) runs with distributed_executor_backend 'mp' or 'uni', not 'ray'")
 
     @property
     def world_size(self) -> int:
@@ -204,9 +211,18 @@ class ParallelConfig:
         return "uni" if self.world_size == 1 else "mp"
 
     @property
+    def experts_span_replicas(self) -> bool:
+        """Whether the routed experts are partitioned over the ranks of several data-parallel replicas (at the
+        data-parallel client: `data_parallel_size > 1`; in a replica: `expert_replicas` is set)."""
+        return self.enable_expert_parallel and (self.data_parallel_size > 1 or self.expert_replicas is not None)
+
+    @property
     def expert_parallel_size(self) -> int:
         """Ranks the routed experts are partitioned over (1: every rank holds a slice of every expert)."""
-        return self.tensor_parallel_size if self.enable_expert_parallel else 1
+        if not self.enable_expert_parallel:
+            return 1
+        replicas = self.expert_replicas.size if self.expert_replicas is not None else self.data_parallel_size
+        return self.tensor_parallel_size * replicas
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,6 +285,12 @@ class EngineConfig:
         if self.structured_output_backend not in ("llguidance", "xgrammar"):
             raise ValueError(f"structured_output_backend={self.structured_output_backend!r} is not supported "
                              "(supported: 'llguidance', 'xgrammar')")
+        spec = self.speculative_config
+        if (self.parallel.experts_span_replicas and spec is not None and spec.method in BLOCK_DRAFTERS
+                and spec.enable_adaptive_verification):
+            # its start-up timing steps run on one replica alone, but each forward exchanges with every replica
+            raise ValueError("adaptive verification (speculative_config.enable_adaptive_verification) cannot run with "
+                             "expert parallelism over data-parallel replicas: set it to false")
         kv = self.kv_transfer_config
         if kv is not None:
             if not self.cache.enable_prefix_caching:

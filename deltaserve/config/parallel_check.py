@@ -17,19 +17,25 @@ def check_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     if parallel.num_redundant_experts > model.moe.num_experts:
         raise ValueError(f"num_redundant_experts={parallel.num_redundant_experts} exceeds n_routed_experts="
                          f"{model.moe.num_experts}")
-    if tp == 1:
-        return
+    if tp > 1:
+        _check_tensor_parallel(model, parallel)
+    ep = parallel.expert_parallel_size
+    physical = model.moe.num_experts + parallel.num_redundant_experts
+    if ep > 1 and physical % ep:
+        named = "n_routed_experts" + (" + num_redundant_experts" if parallel.num_redundant_experts else "")
+        over = f"tensor_parallel_size={tp}" + (f" x data_parallel_size={ep // tp}" if ep != tp else "")
+        raise ValueError(f"{named}={physical} is not divisible by the expert-parallel size {ep} ({over})")
+
+
+def _check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    tp = parallel.tensor_parallel_size
     kinds = set(model.layer_kinds)
     checks = [("linear_attn_config.num_heads", model.kda.num_heads, "kda" in kinds),
               ("num_attention_heads", model.mla.num_heads, "mla" in kinds),
               ("intermediate_size", model.intermediate_size, model.first_k_dense_replace > 0),
               ("moe_intermediate_size (shared experts)",
                model.moe.intermediate_size * model.moe.num_shared_experts, model.moe.num_shared_experts > 0)]
-    if parallel.enable_expert_parallel:
-        physical = model.moe.num_experts + parallel.num_redundant_experts
-        checks.append(("n_routed_experts" + (" + num_redundant_experts" if parallel.num_redundant_experts else ""),
-                       physical, True))
-    else:
+    if not parallel.enable_expert_parallel:
         checks.append(("moe_intermediate_size", model.moe.intermediate_size, True))
     for name, value, used in checks:
         if used and value % tp:

@@ -44,9 +44,9 @@ class ParallelGroup:
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
-        """`src`'s `x` on every rank (in place)."""
+        """`src`'s `x` on every rank (in place); `src` is a rank of this group (a subgroup's too)."""
         if self.size > 1:
-            dist.broadcast(x, src=src, group=self.group)
+            dist.broadcast(x, group_src=src, group=self.group)
         return x
 
 
@@ -59,6 +59,12 @@ def init_parallel_group(rank: int, size: int, init_method: str, device: str) -> 
     a CPU. Raises RuntimeError (naming the address) when the other ranks do not join within `INIT_TIMEOUT_S`."""
     if size == 1:
         return SINGLE
+    join_world(rank, size, init_method, device)
+    return ParallelGroup(rank=rank, size=size, group=dist.group.WORLD)
+
+
+def join_world(rank: int, size: int, init_method: str, device: str) -> None:
+    """`init_parallel_group`'s join of the default process group (NCCL on CUDA, gloo on a CPU)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     timeout = datetime.timedelta(seconds=INIT_TIMEOUT_S)
     try:
@@ -66,4 +72,3 @@ def init_parallel_group(rank: int, size: int, init_method: str, device: str) -> 
     except Exception as e:
         raise RuntimeError(f"rank {rank}/{size} could not join the {backend} group at {init_method}: {e}") from e
     logger.info("rank %d of %d joined the %s group at %s", rank, size, backend, init_method)
-    return ParallelGroup(rank=rank, size=size, group=dist.group.WORLD)

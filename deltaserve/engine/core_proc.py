@@ -48,6 +48,7 @@ from deltaserve.executor.base import WorkerDiedError
 from deltaserve.request import FinishReason
 
 if TYPE_CHECKING:
+    from deltaserve.engine.dp_lockstep import Lockstep
     from deltaserve.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         try:
             ModelConfig.from_pretrained(config.model)  # a bad checkpoint fails before torch is imported
+            from deltaserve.engine.dp_lockstep import Lockstep
             from deltaserve.engine.engine_core import EngineCore  # torch and the model stack: errors reported too
 
             core = EngineCore(config)
+            replicas = config.parallel.expert_replicas
+            lockstep = None if replicas is None else Lockstep(replicas)
         except Exception as e:
             logger.exception("engine start-up failed")
             outputs.send(_ENCODER.encode(StartupError(message=_one_line(e), traceback=traceback.format_exc())))
@@ -87,7 +91,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         outputs.send(_ENCODER.encode(Ready(info=engine_info(core))))
         beat = HeartbeatThread(ctx, output_address, lambda: core.stats.steps)
         try:
-            failed = not serve(core, inputs, outputs, parent_pid)
+            failed = not serve(core, inputs, outputs, parent_pid, lockstep)
         finally:
             beat.stop()
             core.shutdown()
@@ -125,10 +129,11 @@ class HeartbeatThread:
         self._thread.join()
 
 
-def serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> bool:
+def serve(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int,
+          lockstep: Lockstep | None = None) -> bool:
     """Run the engine loop; on an unexpected exception log it, send `FatalError` and return False."""
     try:
-        EngineProc(core, inputs, outputs, parent_pid).run()
+        EngineProc(core, inputs, outputs, parent_pid, lockstep).run()
         return True
     except Exception as e:
         logger.exception("engine loop failed")
@@ -149,10 +154,13 @@ def engine_info(core: EngineCore) -> EngineInfo:
 
 
 class EngineProc:
-    """The busy loop around one `EngineCore`: inputs, step, outputs."""
+    """The busy loop around one `EngineCore`: inputs, step, outputs. With a `Lockstep` (experts over data-parallel
+    replicas) the replicas agree before each step and all step when any has work (`dp_lockstep.py`)."""
 
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int,
+                 lockstep: Lockstep | None = None) -> None:
         self.core, self.inputs, self.outputs, self.parent_pid = core, inputs, outputs, parent_pid
+        self.lockstep = lockstep
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.rejected: list[EngineCoreOutput] = []
         self.failed_steps = 0
@@ -162,13 +170,20 @@ class EngineProc:
     def run(self) -> None:
         """Loop until a `ShutdownRequest` or the parent process is gone."""
         while True:
-            if not self.core.has_unfinished_requests() and not self.wait_for_input():
+            if not self.await_work():
                 logger.warning("parent process %d is gone: engine exiting", self.parent_pid)
                 return
             running = self.handle_inputs()
             batch = self.rejected  # sent even on shutdown: the client may still wait for these answers
             self.rejected = []
-            if running and self.core.has_unfinished_requests():
+            step = running and self.core.has_unfinished_requests()
+            if self.lockstep is not None:  # a replica without work steps too: its workers join the exchanges
+                busy, stopping = self.lockstep.agree(step, not running)
+                if stopping and running:
+                    logger.info("another data-parallel replica is shutting down: so is this one (its experts)")
+                    running = False
+                step = busy and running
+            if step:
                 outs = self.step()
                 self.generation_tokens += sum(len(out.new_token_ids) for out in outs)
                 batch += outs
@@ -197,6 +212,17 @@ class EngineProc:
             return self.core.fail_unfinished(f"internal error in an engine step: {_one_line(e)}")
         self.failed_steps = 0
         return outputs
+
+    def await_work(self) -> bool:
+        """Return at once with work here (or, in lockstep, on any replica); else wait for an input (in lockstep at
+        most `Lockstep.idle_wait_s`). False if the parent process died meanwhile."""
+        if self.core.has_unfinished_requests():
+            return True
+        if self.lockstep is None:
+            return self.wait_for_input()
+        if not self.lockstep.busy_anywhere:
+            self.inputs.poll(timeout=int(self.lockstep.idle_wait_s * 1000))
+        return os.getppid() == self.parent_pid
 
     def wait_for_input(self) -> bool:
         """Block until an input arrives; False if the parent process died meanwhile."""

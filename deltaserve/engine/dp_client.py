@@ -17,6 +17,12 @@ each replica as it dies: `restart_replica`).
 `get_stats` asks every live replica and adds the snapshots up (gauges and counters alike; `merge_stats`); the
 counters of a replica that died are kept and added to the live ones' (a restarted replica counts from 0 again), so
 the merged counters never go back. No torch here.
+
+With `--enable-expert-parallel` the routed experts span the replicas (vLLM's DP attention + EP): each replica gets
+its place and the two rendezvous (`expert_replica_configs`), its workers join one group with every other
+replica's, and the replicas step in lockstep (`dp_lockstep.py`). They then live and die together: a replica that
+dies breaks the others' exchanges, whose steps fail and whose engines exit (a clean error for every request, within
+the group's timeout), and a lone restart cannot rejoin.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 from deltaserve import envs
 from deltaserve.config import EngineConfig
+from deltaserve.config.dp_experts import ExpertReplicas
 from deltaserve.engine.client import AsyncEngineClient
 from deltaserve.engine.dp_router import Router
 from deltaserve.engine.messages import EngineCoreOutput, EngineInfo
@@ -39,8 +46,9 @@ from deltaserve.multimodal.inputs import ImageInput
 from deltaserve.request import FinishReason
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.utils.cpu_threads import default_num_threads
+from deltaserve.utils.ports import free_port
 
-__all__ = ["DPEngineClient", "merge_stats", "replica_config", "replica_env"]
+__all__ = ["DPEngineClient", "expert_replica_configs", "merge_stats", "replica_config", "replica_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,14 @@ def replica_config(config: EngineConfig) -> EngineConfig:
         threads = max(1, (threads or default_num_threads()) // replicas)
     return dataclasses.replace(config, num_threads=threads,
                                parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
+
+
+def expert_replica_configs(one: EngineConfig, replicas: int) -> list[EngineConfig]:
+    """Each replica's config when the routed experts span the replicas: `one` with the replica's `ExpertReplicas`
+    (its rank, and the two rendezvous every replica shares: its workers' group and its engine's lockstep group)."""
+    workers, engines = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    return [dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, expert_replicas=ExpertReplicas(
+        rank=i, size=replicas, workers_address=workers, engines_address=engines))) for i in range(replicas)]
 
 
 def replica_env(config: EngineConfig, index: int) -> dict[str, str]:
@@ -125,12 +141,14 @@ class DPEngineClient:
         Raises the first replica's EngineStartError (the others are shut down)."""
         replicas = config.parallel.data_parallel_size
         one = replica_config(config)
+        configs = expert_replica_configs(one, replicas) if config.parallel.experts_span_replicas else [one] * replicas
         placements = [replica_env(config, i) for i in range(replicas)]
         logger.info("starting %d data-parallel engine replicas (%s threads each, routing: %s%s)", replicas,
                     one.num_threads, config.parallel.load_balance_method,
                     "".join(f"; replica {i}: {env}" for i, env in enumerate(placements) if env))
-        results = await asyncio.gather(*(AsyncEngineClient.start(one, startup_timeout_s=startup_timeout_s, env=env)
-                                         for env in placements), return_exceptions=True)
+        results = await asyncio.gather(*(AsyncEngineClient.start(c, startup_timeout_s=startup_timeout_s, env=env)
+                                         for c, env in zip(configs, placements, strict=True)),
+                                       return_exceptions=True)
         started = [r for r in results if isinstance(r, AsyncEngineClient)]
         failures = [r for r in results if not isinstance(r, AsyncEngineClient)]
         if failures:

@@ -14,7 +14,6 @@ import multiprocessing
 import multiprocessing.connection
 import pickle
 import signal
-import socket
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from typing import Any
 
 from deltaserve.config import EngineConfig
 from deltaserve.executor.base import BroadcastExecutor, WorkerDiedError, WorkerInfo
+from deltaserve.utils.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +132,6 @@ class MultiprocExecutor(BroadcastExecutor):
         proc.join(5)
         self._broken = f"worker process {rank} (pid {proc.pid}) died with exit status {proc.exitcode}"
         return WorkerDiedError(self._broken)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the ranks' rendezvous; another process could take it first, as with vLLM's
-    choice, in which case rank 0 fails to bind and start-up fails with that error)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def run_worker(config: EngineConfig, rank: int, conn: multiprocessing.connection.Connection, log_level: int,

@@ -14,6 +14,7 @@ from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.config.speculative import BLOCK_DRAFTERS
 from deltaserve.distributed import init_parallel_group
 from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.distributed.replica_experts import ReplicaExperts, init_replica_groups
 from deltaserve.executor.base import WorkerInfo
 from deltaserve.executor.block_sync import BlockDeltaStep, BlockTableReceiver
 from deltaserve.executor.shared_store import open_shared_store, shared_namespace
@@ -68,7 +69,7 @@ class Worker:
         if config.num_threads is not None or on_cpu:
             # The engine's threads are shared by its ranks (they run at the same time, on the same cores here).
             torch.set_num_threads(max(1, (config.num_threads or default_num_threads()) // world))
-        if world > 1 and distributed_init_method is None:
+        if world > 1 and distributed_init_method is None and config.parallel.expert_replicas is None:
             raise ValueError(f"{world} ranks need a distributed_init_method")
         device = config.device
         if device == "cuda" and world > 1:
@@ -76,11 +77,18 @@ class Worker:
             # cuda:0; a multiprocess worker sees them all). NCCL needs the current device set before joining.
             device = f"cuda:{rank % torch.cuda.device_count()}"
             torch.cuda.set_device(device)
-        self.group = init_parallel_group(rank, world, distributed_init_method or "", device)
         par = config.parallel
+        self.replicas: ReplicaExperts | None = None
+        """The experts' exchange when they span data-parallel replicas (then every step runs a forward or joins it
+        idle: `execute_model`)."""
+        if par.expert_replicas is not None:
+            self.group, self.replicas = init_replica_groups(par.expert_replicas, rank, world, device)
+        else:
+            self.group = init_parallel_group(rank, world, distributed_init_method or "", device)
         eplb = EPLBSettings(par.num_redundant_experts, par.eplb_step_interval) if par.enable_eplb else None
         self.model = load_model(config.model, dtype=getattr(torch, config.dtype), device=device,
-                                tp=self.group, expert_parallel=par.enable_expert_parallel, eplb=eplb)
+                                tp=self.group, expert_parallel=par.enable_expert_parallel, eplb=eplb,
+                                replicas=self.replicas)
         # The vision tower, beside the language model (replicated on every rank), loaded before the cache is sized so
         # that its weights count as used memory.
         self.vision = load_vision_model(config.model, dtype=getattr(torch, config.dtype), device=device) \
@@ -214,10 +222,13 @@ class Worker:
 
     def execute_model(self, step: SchedulerOutput | BlockDeltaStep) -> RunnerOutput:
         """Run one step: a scheduler output, or one whose block tables are sent as deltas (another process's
-        executor)."""
+        executor). A step without chunks joins the other replicas' expert exchanges when the experts span them."""
         if self.runner is None:
             raise RuntimeError("execute_model before initialize_cache")
-        result = self.runner.execute(self._block_tables.decode(step))
+        out = self._block_tables.decode(step)
+        result = self.runner.execute(out)
+        if self.replicas is not None and not out.chunks:
+            self.model.idle_experts()
         if self.group.size > 1 and result.shared_fetched:  # an entry is usable only if every rank got its part
             result = dataclasses.replace(result, shared_fetched=self._on_every_rank(result.shared_fetched))
         if self.group.size > 1 and result.transfer is not None and result.transfer.fetched:

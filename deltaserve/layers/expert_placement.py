@@ -10,6 +10,7 @@ import torch
 
 from deltaserve.distributed import ParallelGroup, Shard, shard_range, split_along
 from deltaserve.distributed.eplb import EPLBSettings, balanced_placement, initial_placement
+from deltaserve.distributed.replica_experts import ReplicaExperts
 
 logger = logging.getLogger(__name__)
 
@@ -25,16 +26,22 @@ class ExpertPlacement:
     uses copy `token index mod copies`; every `step_interval` forwards the slots are reassigned from the counted
     load (`distributed.eplb`) and the weights moved by broadcast from a rank that holds them: each token still gets
     the same expert weights, so outputs do not change.
+
+    With `replicas` (expert parallelism over data-parallel replicas) the slots are partitioned over every rank of
+    every replica (`replicas.ep`) and the layer routes every replica's gathered tokens, the same on every rank.
     """
 
     def __init__(self, num_experts: int, intermediate_size: int, tp: ParallelGroup, expert_parallel: bool,
-                 eplb: EPLBSettings | None = None) -> None:
+                 eplb: EPLBSettings | None = None, replicas: ReplicaExperts | None = None) -> None:
         self.tp, self.num_experts, self.full_intermediate_size = tp, num_experts, intermediate_size
-        self.expert_parallel = expert_parallel and tp.size > 1
+        self.replicas = replicas
+        self.group = group = tp if replicas is None else replicas.ep
+        """The ranks the expert slots are partitioned over (under expert parallelism)."""
+        self.expert_parallel = (expert_parallel or replicas is not None) and group.size > 1
         self.eplb = eplb if self.expert_parallel else None
         redundant = self.eplb.num_redundant_experts if self.eplb is not None else 0
         if self.expert_parallel:
-            self.first, self.num_local = shard_range(num_experts + redundant, tp.rank, tp.size,
+            self.first, self.num_local = shard_range(num_experts + redundant, group.rank, group.size,
                                                      "n_routed_experts + num_redundant_experts")
             self.intermediate_size = intermediate_size
         else:
@@ -94,7 +101,7 @@ class ExpertPlacement:
         """Reassign the slots from the counted load and move the weights (a collective: every rank calls it at the
         same forward). An expert a rank newly needs is broadcast from the lowest rank that held it."""
         assert self.eplb is not None
-        new = balanced_placement(self.load.tolist(), self.eplb.num_redundant_experts, self.tp.size)
+        new = balanced_placement(self.load.tolist(), self.eplb.num_redundant_experts, self.group.size)
         self.load.zero_()
         if new == self.slots:
             return
@@ -112,8 +119,8 @@ class ExpertPlacement:
         for e in sorted(needed):
             src = holder[e]
             for f, s in zip(fresh, stacks, strict=True):
-                buf = s[mine_old[e]].clone() if self.tp.rank == src else torch.empty_like(s[0])
-                self.tp.broadcast(buf, src)
+                buf = s[mine_old[e]].clone() if self.group.rank == src else torch.empty_like(s[0])
+                self.group.broadcast(buf, src)
                 for j, x in enumerate(new_local):
                     if x == e and e not in mine_old:
                         f[j].copy_(buf)

@@ -12,6 +12,7 @@ from torch import nn
 from deltaserve.config import ActivationConfig, MoEConfig, QuantizationConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard, split_along
 from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.distributed.replica_experts import ReplicaExperts
 from deltaserve.layers.expert_placement import ExpertPlacement
 from deltaserve.layers.linear import Linear, NormWeight
 from deltaserve.layers.moe import GatedMLP, gated_activation, route_tokens
@@ -32,18 +33,20 @@ class LatentMoE(nn.Module):
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, act: ActivationConfig, rms_norm_eps: float,
                  dtype: torch.dtype, quantization: QuantizationConfig | None, mxfp8_activations: bool = False, *,
-                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
+                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None,
+                 replicas: ReplicaExperts | None = None) -> None:
         """`quantization` None: dense routed experts in `dtype`; else MXFP4 in its `layout`. `mxfp8_activations`
         rounds the expert GEMM inputs through MXFP8 (MXFP4 experts only). `tp`, `expert_parallel`: the routed
         experts are sharded or partitioned (`ExpertPlacement`; an MXFP4 shard keeps whole 32-value scale blocks) and
         their latent partial sums added over the ranks before the norm; the shared experts are sharded; the router
-        and the latent down and up projections are whole on every rank."""
+        and the latent down and up projections are whole on every rank. `replicas`: the routed experts span
+        data-parallel replicas (`MoE`)."""
         super().__init__()
         if cfg.latent_size is None:
             raise ValueError("LatentMoE needs MoEConfig.latent_size (routed_expert_hidden_size)")
         e, lat = cfg.num_experts, cfg.latent_size
         self.cfg, self.eps, self.quantization, self.tp = cfg, rms_norm_eps, quantization, tp
-        self.placement = place = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel, eplb)
+        self.placement = place = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel, eplb, replicas)
         n, i = place.num_local, place.intermediate_size
         if quantization is not None and i % BLOCK_SIZE:
             raise ValueError(f"moe_intermediate_size={cfg.intermediate_size} split over tensor_parallel_size="
@@ -145,8 +148,10 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[T, d]`` (after post_attention_layernorm) -> ``[T, d]``."""
-        weights, ids = route_tokens(x, self.gate_weight, self.correction_bias, self.cfg)
-        z = self.routed_expert_down_proj(x)  # [T, latent]
+        replicas = self.placement.replicas  # experts over data-parallel replicas: every replica's tokens
+        tokens, start, count = (x, 0, x.shape[0]) if replicas is None else replicas.gather(x)
+        weights, ids = route_tokens(tokens, self.gate_weight, self.correction_bias, self.cfg)
+        z = self.routed_expert_down_proj(tokens)  # [T, latent]
         w13: torch.Tensor | MXFP4Tensor
         w2: torch.Tensor | MXFP4Tensor
         stacks: list[torch.Tensor]  # every tensor indexed by expert slot (EPLB moves them)
@@ -159,7 +164,8 @@ class LatentMoE(nn.Module):
             stacks = [q13.weight_packed, q13.weight_scale, q2.weight_packed, q2.weight_scale]
         routed = moe_experts(z, w13, w2, weights, self.placement.route(ids, stacks), act=self._act,
                              linear=self._linear, fp32_combine=True)
-        routed = self.tp.all_reduce(routed)  # the norm needs the whole latent sum
+        # the norm needs the whole latent sum
+        routed = self.tp.all_reduce(routed) if replicas is None else replicas.combine(routed, start, count)
         if self.routed_expert_norm is not None:
             routed = rms_norm(routed, self.routed_expert_norm.weight, self.eps)
         out = self.routed_expert_up_proj(routed)

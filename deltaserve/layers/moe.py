@@ -12,6 +12,7 @@ from torch import nn
 from deltaserve.config import ActivationConfig, MoEConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard, shard_range, split_along
 from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.distributed.replica_experts import ReplicaExperts
 from deltaserve.layers.expert_placement import ExpertPlacement
 from deltaserve.layers.linear import pack_parameter
 from deltaserve.ops.activation import silu_and_mul, situ_and_mul
@@ -80,11 +81,12 @@ class MoE(nn.Module):
     ranks in one all-reduce."""
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, dtype: torch.dtype, *, tp: ParallelGroup = SINGLE,
-                 expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
+                 expert_parallel: bool = False, eplb: EPLBSettings | None = None,
+                 replicas: ReplicaExperts | None = None) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         e = cfg.num_experts
-        self.placement = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel, eplb)
+        self.placement = ExpertPlacement(e, cfg.intermediate_size, tp, expert_parallel, eplb, replicas)
         n, i = self.placement.num_local, self.placement.intermediate_size
         # Router weight and selection bias stay fp32 (transformers keeps them in fp32 too).
         self.gate_weight = nn.Parameter(torch.empty(e, hidden_size, dtype=torch.float32), requires_grad=False)
@@ -132,13 +134,15 @@ class MoE(nn.Module):
         return 2 * len(w13)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_tokens(x, self.gate_weight, self.correction_bias, self.cfg)
+        replicas = self.placement.replicas
+        tokens, start, count = (x, 0, x.shape[0]) if replicas is None else replicas.gather(x)
+        weights, ids = route_tokens(tokens, self.gate_weight, self.correction_bias, self.cfg)
         # The stacks as loaded take `F.linear` (the grouped-GEMM path accepts those); per-expert packed weights after
         # `prepack` take the packed `ops.linear`.
         packed = isinstance(self.w13, nn.ParameterList)
         stacks = [self.w13, self.w2] if isinstance(self.w13, nn.Parameter) and isinstance(self.w2, nn.Parameter) else []
-        y = moe_experts(x, self.w13, self.w2, weights, self.placement.route(ids, stacks),
+        y = moe_experts(tokens, self.w13, self.w2, weights, self.placement.route(ids, stacks),
                         linear=linear if packed else F.linear)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return self.tp.all_reduce(y)
+        if self.shared_experts is not None:  # this rank's partial, on this replica's rows: summed with the rest
+            y[start:start + count] += self.shared_experts(x)
+        return self.tp.all_reduce(y) if replicas is None else replicas.combine(y, start, count)

@@ -18,6 +18,7 @@ from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard
 from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.distributed.replica_experts import ReplicaExperts
 from deltaserve.layers.attn_res import AttnResWeights, BlockAttnRes
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
@@ -41,7 +42,8 @@ class K3DecoderLayer(nn.Module):
     Block AttnRes (`forward_attn_res`)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, mxfp8_activations: bool,
-                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
+                 tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None,
+                 replicas: ReplicaExperts | None = None) -> None:
         super().__init__()
         d, self.eps, self.layer_id = config.hidden_size, config.rms_norm_eps, layer_id
         self.input_layernorm = NormWeight(d, dtype)
@@ -60,7 +62,8 @@ class K3DecoderLayer(nn.Module):
         if self.is_moe:
             self.mlp: LatentMoE | GatedMLP = LatentMoE(config.moe, d, config.activation, self.eps, dtype,
                                                        config.quantization, mxfp8_activations, tp=tp,
-                                                       expert_parallel=expert_parallel, eplb=eplb)
+                                                       expert_parallel=expert_parallel, eplb=eplb,
+                                                       replicas=replicas)
         else:
             self.mlp = GatedMLP(d, config.intermediate_size, dtype, act=gated_activation(config.activation), tp=tp)
         self.attn_res = config.attn_res_block_size is not None
@@ -99,16 +102,17 @@ class KimiK3ForConditionalGeneration(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  mxfp8_activations: bool | None = None, *, tp: ParallelGroup = SINGLE,
-                 expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
+                 expert_parallel: bool = False, eplb: EPLBSettings | None = None,
+                 replicas: ReplicaExperts | None = None) -> None:
         """`mxfp8_activations`: round MXFP4 expert GEMM inputs through MXFP8; None reads
-        `DELTASERVE_MXFP8_ACTIVATIONS`. `tp`, `expert_parallel`: as `KimiLinearForCausalLM`."""
+        `DELTASERVE_MXFP8_ACTIVATIONS`. `tp`, `expert_parallel`, `replicas`: as `KimiLinearForCausalLM`."""
         super().__init__()
         self.config, self.dtype, self.tp = config, dtype, tp
         mxfp8 = envs.mxfp8_activations() if mxfp8_activations is None else mxfp8_activations
         d = config.hidden_size
         self.vocab = VocabShard(config.vocab_size, tp)
         self.embed_tokens = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(K3DecoderLayer(config, i, dtype, mxfp8, tp, expert_parallel, eplb)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i, dtype, mxfp8, tp, expert_parallel, eplb, replicas)
                                     for i in range(config.num_hidden_layers))
         self.norm = NormWeight(d, dtype)
         if config.attn_res_block_size is not None:
@@ -148,6 +152,13 @@ class KimiK3ForConditionalGeneration(nn.Module):
         dtype = str(self.dtype).removeprefix("torch.")
         return layer_cache_specs(self.config, kv_dtype=dtype, conv_dtype="float64" if dtype == "float64" else "float32",
                                  tp_size=self.tp.size)
+
+    def idle_experts(self) -> None:
+        """`KimiLinearForCausalLM.idle_experts`: every MoE layer's token exchange, with no tokens of this replica's."""
+        none = self.embed_tokens.new_empty(0, self.config.hidden_size)
+        for layer in self.decoder_layers:
+            if layer.is_moe:
+                layer.mlp(none)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""

@@ -13,6 +13,7 @@ from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard
 from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.distributed.replica_experts import ReplicaExperts
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 from deltaserve.layers.kda import KDAttention
 from deltaserve.layers.linear import NormWeight, pack_parameter
@@ -53,7 +54,8 @@ class DecoderLayer(nn.Module):
     """h += Mixer(RMSNorm(h)); h += FFN(RMSNorm(h))  (model-spec §2.1)."""
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: ParallelGroup = SINGLE,
-                 expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
+                 expert_parallel: bool = False, eplb: EPLBSettings | None = None,
+                 replicas: ReplicaExperts | None = None) -> None:
         super().__init__()
         d, self.eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = NormWeight(d, dtype)
@@ -64,7 +66,8 @@ class DecoderLayer(nn.Module):
             self.self_attn = MLAttention(config.mla, d, dtype, tp=tp)
         self.is_moe = config.is_moe_layer(layer_id)
         if self.is_moe:
-            self.mlp: MoE | GatedMLP = MoE(config.moe, d, dtype, tp=tp, expert_parallel=expert_parallel, eplb=eplb)
+            self.mlp: MoE | GatedMLP = MoE(config.moe, d, dtype, tp=tp, expert_parallel=expert_parallel, eplb=eplb,
+                                           replicas=replicas)
         else:
             self.mlp = GatedMLP(d, config.intermediate_size, dtype, tp=tp)
 
@@ -87,15 +90,18 @@ class KimiLinearForCausalLM(nn.Module):
     """The whole text model. `forward` runs one flattened step; `compute_logits` the LM head on chosen rows."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, *, tp: ParallelGroup = SINGLE,
-                 expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> None:
+                 expert_parallel: bool = False, eplb: EPLBSettings | None = None,
+                 replicas: ReplicaExperts | None = None) -> None:
         """`tp`: this rank's share of the heads, widths and vocabulary (one rank: the whole model);
-        `expert_parallel`: routed experts partitioned whole over the ranks instead of each one sharded."""
+        `expert_parallel`: routed experts partitioned whole over the ranks instead of each one sharded;
+        `replicas`: over the ranks of several data-parallel replicas (then every forward, and `idle_experts` when
+        this replica has nothing to run, exchanges tokens with the others)."""
         super().__init__()
         self.config, self.dtype, self.tp = config, dtype, tp
         d = config.hidden_size
         self.vocab = VocabShard(config.vocab_size, tp)
         self.embed_tokens = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, tp, expert_parallel, eplb)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, tp, expert_parallel, eplb, replicas)
                                     for i in range(config.num_hidden_layers))
         self.norm = NormWeight(d, dtype)
         if not config.tie_word_embeddings:
@@ -129,6 +135,14 @@ class KimiLinearForCausalLM(nn.Module):
         """One spec per layer: MLA layers keep latent rows per token, KDA layers a state slot per sequence."""
         dtype = str(self.dtype).removeprefix("torch.")
         return layer_cache_specs(self.config, kv_dtype=dtype, conv_dtype=dtype, tp_size=self.tp.size)
+
+    def idle_experts(self) -> None:
+        """Join every MoE layer's token exchange with no tokens of this replica's (experts over data-parallel
+        replicas: the step of a replica with nothing to run while another runs one)."""
+        none = self.embed_tokens.new_empty(0, self.config.hidden_size)
+        for layer in self.decoder_layers:
+            if layer.is_moe:
+                layer.mlp(none)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelGroup, Shard
 from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.distributed.replica_experts import ReplicaExperts
 from deltaserve.models.protocol import Model
 from deltaserve.models.registry import model_class
 
@@ -114,13 +115,15 @@ def _is_float(safetensors_dtype: str) -> bool:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", *,
-               tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None) -> Model:
+               tp: ParallelGroup = SINGLE, expert_parallel: bool = False, eplb: EPLBSettings | None = None,
+               replicas: ReplicaExperts | None = None) -> Model:
     """Config -> model class -> weights, in `dtype` (gate/router/decay parameters stay fp32). With `tp` of several
     ranks, this rank's shard of the model (`expert_parallel`: whole routed experts partitioned over the ranks,
-    `eplb`: with load-balanced redundant copies)."""
+    `eplb`: with load-balanced redundant copies, `replicas`: over every rank of several data-parallel replicas)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     with torch.device(device):
-        model = model_class(config)(config, dtype=dtype, tp=tp, expert_parallel=expert_parallel, eplb=eplb)
+        model = model_class(config)(config, dtype=dtype, tp=tp, expert_parallel=expert_parallel, eplb=eplb,
+                                    replicas=replicas)
     load_weights(model, path)
     return model.eval()

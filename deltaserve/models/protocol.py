@@ -17,6 +17,7 @@ from deltaserve.cache.spec import KVCacheSpec, StateCacheSpec
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import ParallelGroup, Shard
 from deltaserve.distributed.eplb import EPLBSettings
+from deltaserve.distributed.replica_experts import ReplicaExperts
 from deltaserve.layers.forward_batch import ForwardBatch, LayerCache
 
 CacheSpec = KVCacheSpec | StateCacheSpec
@@ -37,6 +38,9 @@ class Model(Protocol):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [n] -> token embeddings [n, d] (what `forward` starts from; a block drafter reads it too)."""
+
+    def idle_experts(self) -> None:
+        """Join every MoE layer's token exchange with no tokens (routed experts over data-parallel replicas)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, d] -> fp32 logits [n, vocab]."""
@@ -67,4 +71,5 @@ class ModelClass(Protocol):
     """A model class as the registry returns it: built from the config, in a dtype, on the current default device."""
 
     def __call__(self, config: ModelConfig, dtype: torch.dtype = ..., *, tp: ParallelGroup = ...,
-                 expert_parallel: bool = ..., eplb: EPLBSettings | None = ...) -> Model: ...
+                 expert_parallel: bool = ..., eplb: EPLBSettings | None = ...,
+                 replicas: ReplicaExperts | None = ...) -> Model: ...

@@ -31,12 +31,13 @@ def add_dataclass_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
                        aliases: dict[str, str] | None = None) -> None:
     """One `--field-name` option per field of `cls` (bools become --flag / --no-flag, tuples take several values),
     defaults from the class, on a parser or one of its argument groups. Fields holding a nested config dataclass
-    get no option: add that class's own options (`dataclass_from_args` builds it from them)."""
+    get no option: add that class's own options (`dataclass_from_args` builds it from them); nor do fields whose
+    metadata says `{"cli": False}` (set by the program, not by a user)."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + (aliases or {}).get(f.name, f.name.replace("_", "-"))
         kind = _base_type(hints[f.name])
-        if dataclasses.is_dataclass(kind):
+        if dataclasses.is_dataclass(kind) or not f.metadata.get("cli", True):
             continue
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         help_text = f"{docs.get(f.name, '')} (default: {default})"
@@ -55,6 +56,8 @@ def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
     hints, values = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
         kind = _base_type(hints[f.name])
+        if not f.metadata.get("cli", True):
+            continue  # set by the program, not a flag: its default
         if dataclasses.is_dataclass(kind):
             values[f.name] = dataclass_from_args(typing.cast(type, kind), args)
         else:

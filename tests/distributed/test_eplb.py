@@ -72,7 +72,7 @@ def _rank(rank: int, port: int, path: str, out: str) -> None:
 
 
 def test_rebalancing_during_a_run_changes_no_output(tiny_dir, tmp_path):
-    from deltaserve.executor.multiproc import free_port
+    from deltaserve.utils.ports import free_port
 
     path, out = str(tiny_dir("base")), str(tmp_path / "res")
     ctx = mp.get_context("spawn")
