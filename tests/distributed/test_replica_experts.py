@@ -47,7 +47,10 @@ def _rank(rank: int, world: int, tp: int, port: int, path: str, out: str) -> Non
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize(("variant", "world", "tp"), [("base", 2, 1), ("k3", 2, 1), ("base", 4, 2)])
+@pytest.mark.parametrize(("variant", "world", "tp"), [
+    ("base", 2, 1), ("k3", 2, 1),
+    pytest.param("base", 4, 2, marks=pytest.mark.slow),  # CI time: four ranks on two cores
+])
 def test_experts_over_two_replicas_equal_one_layer(tiny_dir, tmp_path, variant, world, tp):
     path, out = str(tiny_dir(variant)), str(tmp_path / "res")
     ctx = mp.get_context("spawn")
@@ -84,7 +87,15 @@ def test_bad_expert_replica_configs_are_one_line_errors(tiny_dir):
 PROMPTS = [f"Prompt {i}: a {'short' if i % 3 else 'longer'} sentence about experts and" for i in range(6)]
 
 
-def test_llm_with_experts_over_replicas_gives_the_greedy_outputs_of_one_engine(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("extra", [
+    pytest.param({}, id="plain"),
+    pytest.param({"enable_eplb": True, "num_redundant_experts": 2, "eplb_step_interval": 3}, id="eplb",
+                 marks=pytest.mark.slow),  # CI time; EPLB over replicas' ranks is the layer test's placement code
+    pytest.param({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}, id="ngram"),
+])
+def test_llm_with_experts_over_replicas_gives_the_greedy_outputs_of_one_engine(tiny_dir, monkeypatch, extra):
+    """Also with EPLB rebalancing every 3 forwards (every rank counts the same gathered tokens, so all place alike)
+    and with n-gram speculation (one verification forward per step)."""
     from deltaserve import LLM, SamplingParams
     from deltaserve.engine import dp_client
     from deltaserve.executor import worker
@@ -94,7 +105,7 @@ def test_llm_with_experts_over_replicas_gives_the_greedy_outputs_of_one_engine(t
     monkeypatch.setattr(worker, "default_num_threads", lambda: 1)
     path = str(tiny_dir("base"))
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    llm = LLM(model=path, max_model_len=512, data_parallel_size=2, enable_expert_parallel=True)
+    llm = LLM(model=path, max_model_len=512, data_parallel_size=2, enable_expert_parallel=True, **extra)
     try:
         alone = llm.generate(PROMPTS[:1], params)  # one replica runs, the other joins its exchanges idle
         idle = llm.client.routed.index(0)
