@@ -83,7 +83,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
             core = EngineCore(config)
             replicas = config.parallel.expert_replicas
-            lockstep = None if replicas is None else Lockstep(replicas)
+            try:
+                lockstep = None if replicas is None else Lockstep(replicas)
+            except Exception:
+                core.shutdown()
+                raise
         except Exception as e:
             logger.exception("engine start-up failed")
             outputs.send(_ENCODER.encode(StartupError(message=_one_line(e), traceback=traceback.format_exc())))

@@ -144,5 +144,7 @@ class MoE(nn.Module):
         y = moe_experts(tokens, self.w13, self.w2, weights, self.placement.route(ids, stacks),
                         linear=linear if packed else F.linear)
         if self.shared_experts is not None:  # this rank's partial, on this replica's rows: summed with the rest
-            y[start:start + count] += self.shared_experts(x)
+            shared = self.shared_experts(x)
+            y = y + shared if replicas is None else torch.cat((y[:start], y[start:start + count] + shared,
+                                                               y[start + count:]))
         return self.tp.all_reduce(y) if replicas is None else replicas.combine(y, start, count)
