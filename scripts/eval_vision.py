@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heldout-phrasing", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="write the scores here")
+    parser.add_argument("--show", default=None, help="print answers to this kind of question (default: any kind)")
     args = parser.parse_args()
     llm = LLM(model=args.model) if args.model else LLM()
     model_dir = llm.engine.config.model
@@ -82,7 +83,8 @@ def main() -> None:
         exact, label, n = scores[kind]
         table[kind] = {"n": n, "exact": exact / n, "label": label / n}
         print(f"{kind:10} {n:4d} {exact / n:7.1%} {label / n:7.1%}")
-    for ex, out in list(zip(examples, outputs, strict=True))[:8]:
+    shown = [(ex, out) for ex, out in zip(examples, outputs, strict=True) if args.show in (None, ex.kind)]
+    for ex, out in shown[:8]:
         print(f"  Q {ex.question!r} -> {out.outputs[0].text.strip()!r} (expected {ex.answer!r})")
     if args.json:
         args.json.write_text(json.dumps(table, indent=2) + "\n")

@@ -16,11 +16,20 @@ count.
         --lm-lr 5e-4 --text-rows 2 --seed 0 --time-limit-min 46
     python scripts/eval_vision.py --model /tmp/vt --n 400
 
-The shipped tower (2026-12-03) is that run (39 minutes): 32% of 400 held-out answers state the right fact (colour
-64%, count 45%, shape 44%, word 1%), tool calling kept (the model card). With the language model frozen (`--lm-lr 0`,
-the first attempt) 1,400 steps in 54 minutes reached 15%: that model cannot answer even from a text caption, so it
-has to learn along with the tower. To continue training the shipped checkpoint: `--model deltaserve/default_model
---init-from deltaserve/default_model` (the language model comes from --model, tower and markers from --init-from).
+The shipped checkpoint is three runs of this script, each continuing the last (the model card, Vision); the first
+started from the text stage's checkpoint (the embedded model at commit c5d67e9, before it had a tower):
+
+    python scripts/train_vision.py --model deltaserve/default_model --out /tmp/vt1 --steps 800 --warmup 30 \
+        --lm-lr 5e-4 --text-rows 2 --seed 0 --time-limit-min 46                      # 39 min, 32% held out
+    python scripts/train_vision.py --model /tmp/vt1 --init-from /tmp/vt1 --out /tmp/vt3 --steps 1150 --warmup 20 \
+        --lr 1e-3 --lm-lr 3e-4 --text-rows 2 --seed 1 --extra-phrasings --time-limit-min 64   # 49 min, 48%
+    python scripts/train_vision.py --model /tmp/vt3 --init-from /tmp/vt3 --out /tmp/vt4 --steps 300 --warmup 10 \
+        --lr 3e-4 --lm-lr 1e-4 --text-rows 6 --seed 2 --extra-phrasings --time-limit-min 22    # 15 min, 58%
+
+(the last with more text rows, to win back tool calling). With the language model frozen (`--lm-lr 0`, the first
+attempt) 1,400 steps in 54 minutes reached 15%: that model cannot answer even from a text caption, so it has to
+learn along with the tower. `--init-from` takes the tower and markers from a checkpoint that has them (the language
+model comes from --model).
 """
 
 from __future__ import annotations
