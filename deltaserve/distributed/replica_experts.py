@@ -14,8 +14,6 @@ every replica, the replicas step in lockstep: one with nothing to run still join
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -23,21 +21,33 @@ from deltaserve.config.dp_experts import ExpertReplicas
 from deltaserve.distributed.group import SINGLE, ParallelGroup, join_world
 
 
-@dataclass(frozen=True, slots=True)
 class ReplicaExperts:
-    """The token exchange of a MoE layer whose experts span `replicas` replicas; `ep` holds every rank of every
-    replica (`tp_size` per replica), this rank in replica `replica`."""
+    """The token exchange of MoE layers whose experts span `replicas` replicas; `ep` holds every rank of every
+    replica (`tp_size` per replica), this rank in replica `replica`.
 
-    ep: ParallelGroup
-    replica: int
-    replicas: int
-    tp_size: int
+    Every replica's token count for a forward is exchanged once, by `begin_step` before its first MoE layer (one
+    collective per step on host integers, instead of one per layer followed by a device-to-host read); the layers'
+    `gather` then sizes its exchange from it."""
+
+    __slots__ = ("ep", "replica", "replicas", "tp_size", "_counts")
+
+    def __init__(self, ep: ParallelGroup, replica: int, replicas: int, tp_size: int) -> None:
+        self.ep, self.replica, self.replicas, self.tp_size = ep, replica, replicas, tp_size
+        self._counts: list[int] | None = None
+
+    def begin_step(self, num_tokens: int, device: torch.device | str) -> None:
+        """Learn every replica's token count for the coming forward (this replica runs `num_tokens`). A collective:
+        every rank of every replica calls it once per forward, idle replicas with 0."""
+        count = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        self._counts = self.ep.all_gather(count, dim=0)[:: self.tp_size].tolist()
 
     def gather(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         """Every replica's rows of `x` ``[T_r, d]`` in replica order, and where this replica's start and how many
         there are. A collective: every rank of every replica calls it at the same layer (with 0 rows when idle)."""
-        count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
-        counts = self.ep.all_gather(count, dim=0)[:: self.tp_size].tolist()
+        counts = self._counts
+        if counts is None or counts[self.replica] != x.shape[0]:
+            raise RuntimeError(f"ReplicaExperts.gather got {x.shape[0]} rows, but begin_step announced "
+                               f"{None if counts is None else counts[self.replica]} for this forward")
         start, width = sum(counts[: self.replica]), max(counts)
         if width == 0:  # the same on every rank: nothing to exchange
             return x, 0, 0

@@ -107,7 +107,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
         """`mxfp8_activations`: round MXFP4 expert GEMM inputs through MXFP8; None reads
         `DELTASERVE_MXFP8_ACTIVATIONS`. `tp`, `expert_parallel`, `replicas`: as `KimiLinearForCausalLM`."""
         super().__init__()
-        self.config, self.dtype, self.tp = config, dtype, tp
+        self.config, self.dtype, self.tp, self.replicas = config, dtype, tp, replicas
         mxfp8 = envs.mxfp8_activations() if mxfp8_activations is None else mxfp8_activations
         d = config.hidden_size
         self.vocab = VocabShard(config.vocab_size, tp)
@@ -156,6 +156,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def idle_experts(self) -> None:
         """`KimiLinearForCausalLM.idle_experts`: every MoE layer's token exchange, with no tokens of this replica's."""
         none = self.embed_tokens.new_empty(0, self.config.hidden_size)
+        if self.replicas is not None:
+            self.replicas.begin_step(0, none.device)
         for layer in self.decoder_layers:
             if layer.is_moe:
                 layer.mlp(none)
@@ -163,6 +165,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
         cfg = self.config
+        if self.replicas is not None:  # the MoE layers' exchanges are sized by every replica's token count
+            self.replicas.begin_step(input_ids.shape[0], input_ids.device)
         h = self.embed(input_ids)
         if batch.embed_rows is not None and batch.embed_values is not None:  # image placeholders: their features
             h = h.index_copy(0, batch.embed_rows, batch.embed_values.to(h.dtype))

@@ -97,7 +97,7 @@ class KimiLinearForCausalLM(nn.Module):
         `replicas`: over the ranks of several data-parallel replicas (then every forward, and `idle_experts` when
         this replica has nothing to run, exchanges tokens with the others)."""
         super().__init__()
-        self.config, self.dtype, self.tp = config, dtype, tp
+        self.config, self.dtype, self.tp, self.replicas = config, dtype, tp, replicas
         d = config.hidden_size
         self.vocab = VocabShard(config.vocab_size, tp)
         self.embed_tokens = nn.Parameter(torch.empty(self.vocab.rows, d, dtype=dtype), requires_grad=False)
@@ -140,12 +140,16 @@ class KimiLinearForCausalLM(nn.Module):
         """Join every MoE layer's token exchange with no tokens of this replica's (experts over data-parallel
         replicas: the step of a replica with nothing to run while another runs one)."""
         none = self.embed_tokens.new_empty(0, self.config.hidden_size)
+        if self.replicas is not None:
+            self.replicas.begin_step(0, none.device)
         for layer in self.decoder_layers:
             if layer.is_moe:
                 layer.mlp(none)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
+        if self.replicas is not None:  # the MoE layers' exchanges are sized by every replica's token count
+            self.replicas.begin_step(input_ids.shape[0], input_ids.device)
         h = self.embed(input_ids)
         if batch.embed_rows is not None and batch.embed_values is not None:  # image placeholders: their features
             h = h.index_copy(0, batch.embed_rows, batch.embed_values.to(h.dtype))

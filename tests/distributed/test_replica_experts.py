@@ -38,6 +38,7 @@ def _rank(rank: int, world: int, tp: int, port: int, path: str, out: str) -> Non
         for k, counts in enumerate(ROUNDS):
             g = torch.Generator().manual_seed(100 * k + replica)  # each replica its own tokens
             x = torch.randn(counts[replica], one.config.hidden_size, generator=g)
+            exchange.begin_step(counts[replica], "cpu")  # the model's forward does this before its first layer
             with torch.inference_mode():
                 a, b = layer_one.mlp(x), layer_split.mlp(x)
             assert b.shape == a.shape
