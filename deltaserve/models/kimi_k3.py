@@ -27,7 +27,7 @@ from deltaserve.layers.linear import NormWeight, pack_parameter
 from deltaserve.layers.mla import MLAttention
 from deltaserve.layers.moe import GatedMLP, gated_activation
 from deltaserve.layers.vocab import VocabShard
-from deltaserve.models.kimi_linear import VISION_PREFIXES, layer_cache_specs
+from deltaserve.models.kimi_linear import VISION_PREFIXES, join_idle, layer_cache_specs
 from deltaserve.ops.norm import rms_norm
 
 TEXT_PREFIX = "language_model."
@@ -155,12 +155,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
 
     def idle_experts(self) -> None:
         """`KimiLinearForCausalLM.idle_experts`: every MoE layer's token exchange, with no tokens of this replica's."""
-        none = self.embed_tokens.new_empty(0, self.config.hidden_size)
-        if self.replicas is not None:
-            self.replicas.begin_step(0, none.device)
-        for layer in self.decoder_layers:
-            if layer.is_moe:
-                layer.mlp(none)
+        join_idle(self.replicas, [layer.mlp for layer in self.decoder_layers if layer.is_moe],
+                  self.embed_tokens.new_empty(0, self.config.hidden_size))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""

@@ -86,6 +86,15 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps))
 
 
+def join_idle(replicas: ReplicaExperts | None, moe_layers: Sequence[nn.Module], none: torch.Tensor) -> None:
+    """A model's step with no tokens on a replica whose experts span replicas: announce 0 tokens, then join every
+    MoE layer's exchange with the empty `none` ``[0, d]``."""
+    if replicas is not None:
+        replicas.begin_step(0, none.device)
+    for mlp in moe_layers:
+        mlp(none)
+
+
 class KimiLinearForCausalLM(nn.Module):
     """The whole text model. `forward` runs one flattened step; `compute_logits` the LM head on chosen rows."""
 
@@ -139,12 +148,8 @@ class KimiLinearForCausalLM(nn.Module):
     def idle_experts(self) -> None:
         """Join every MoE layer's token exchange with no tokens of this replica's (experts over data-parallel
         replicas: the step of a replica with nothing to run while another runs one)."""
-        none = self.embed_tokens.new_empty(0, self.config.hidden_size)
-        if self.replicas is not None:
-            self.replicas.begin_step(0, none.device)
-        for layer in self.decoder_layers:
-            if layer.is_moe:
-                layer.mlp(none)
+        join_idle(self.replicas, [layer.mlp for layer in self.decoder_layers if layer.is_moe],
+                  self.embed_tokens.new_empty(0, self.config.hidden_size))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]) -> torch.Tensor:
         """input_ids: [T] -> final-normed hidden states [T, d]. Reads and writes `caches` (one per layer)."""
