@@ -230,13 +230,17 @@ def test_moe_experts_sorted_path_matches_reference(num_tokens, dtype):
 
 
 def test_moe_experts_on_cpu_loop_over_the_experts_with_tokens():
-    """On a CPU the reference serves every call: torch's CPU grouped GEMM would loop over every expert, empty ones
-    included, where the reference loops over those that received tokens."""
+    """On a CPU, past the C kernel's few pairs and below `cpu_dense`'s many, the reference serves the call: torch's
+    CPU grouped GEMM would loop over every expert, empty ones included, where the reference loops over those that
+    received tokens."""
     from deltaserve.ops.moe import moe_experts as dispatched
+    from deltaserve.ops.moe import native
 
-    x, w13, w2 = torch.randn(3, 32), torch.randn(8, 48, 32), torch.randn(8, 32, 24)
-    weights, ids = torch.rand(3, 2), torch.tensor([[0, 1], [1, 2], [0, 2]])
+    x, w13, w2 = torch.randn(9, 32), torch.randn(32, 48, 32), torch.randn(32, 32, 24)
+    weights, ids = torch.rand(9, 2), torch.arange(18).view(9, 2)  # 18 pairs: more than MAX_PAIRS, fewer than experts
     assert dispatched.select(x, w13, w2, weights, ids) == "ref"  # type: ignore[attr-defined]
+    few = "native" if native.available() else "ref"
+    assert dispatched.select(x[:3], w13, w2, weights[:3], ids[:3]) == few  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("dtype, d, i", [(torch.float64, 40, 24), (torch.float32, 63, 24), (torch.float32, 40, 25)],
@@ -291,8 +295,8 @@ def test_cpu_dense_experts_only_where_the_waste_is_small():
     from deltaserve.ops.moe import cpu_dense
     from deltaserve.ops.moe import moe_experts as dispatched
 
-    x, w13, w2 = torch.randn(8, 32), torch.randn(8, 48, 32), torch.randn(8, 32, 24)
-    weights, ids = torch.rand(8, 2), torch.randint(0, 8, (8, 2))
+    x, w13, w2 = torch.randn(9, 32), torch.randn(8, 48, 32), torch.randn(8, 32, 24)
+    weights, ids = torch.rand(9, 2), torch.randint(0, 8, (9, 2))
     assert dispatched.select(x, w13, w2, weights, ids) == "cpu_dense"  # type: ignore[attr-defined]
     assert not cpu_dense.supports(x[:3], w13, w2, weights[:3], ids[:3])  # 6 pairs, 8 experts
     big_x, big_w13, big_w2 = (torch.zeros(1, 1, 1).expand(*shape) for shape in ((1, 8, 1024), (8, 2048, 1024),

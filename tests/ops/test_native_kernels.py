@@ -1,6 +1,6 @@
-"""The CPU's C kernels (`ops/kda/native.c`, `ops/short_conv/native.c`) against the references, and the verify ops
-(`kda_verify`, `short_conv_verify`) against their decode ops token by token, bit for bit, on every backend the decode
-op can take here: what makes speculative verification exact."""
+"""The CPU's C kernels (`ops/kda/native.c`, `ops/short_conv/native.c`, `ops/moe/native.c`) against the references,
+and the verify ops (`kda_verify`, `short_conv_verify`) against their decode ops token by token, bit for bit, on every
+backend the decode op can take here: what makes speculative verification exact."""
 
 from __future__ import annotations
 
@@ -199,3 +199,75 @@ def test_a_slot_outside_the_pool_is_refused_before_anything_is_written():
     with pytest.raises(IndexError, match="3 slots"):
         conv_native.short_conv_verify(x, weight, windows, torch.tensor([0]), [0, 2], [(3,)])
     assert torch.equal(windows, original)
+
+
+def moe_inputs(tokens: int, dtype: torch.dtype, seed: int, d: int = 37, i: int = 23, experts: int = 6, top_k: int = 2
+               ) -> tuple[torch.Tensor, ...]:
+    """Odd hidden and intermediate sizes (the dot products' 8-lane loops with remainders), routed top-k ids."""
+    from deltaserve.ops.moe.ref import moe_route
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * i, d, generator=g) / d**0.5).to(dtype)
+    w2 = (torch.randn(experts, d, i, generator=g) / i**0.5).to(dtype)
+    weights, ids = moe_route(torch.randn(tokens, experts, generator=g), None, top_k=top_k, num_expert_group=1,
+                             topk_group=1, renormalize=True, routed_scaling_factor=2.5)
+    return x, w13, w2, weights, ids
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp32_combine", [False, True], ids=["combine-in-dtype", "fp32-combine"])
+def test_native_moe_experts_match_the_reference(dtype, fp32_combine):
+    """A few tokens through the C kernel == the reference loop within the MoE tolerance (fp32 1e-6; bf16 1e-2, the
+    kernel keeps every rounding of the reference), a pair another expert-parallel rank holds (-1) included; and a
+    token's output has the same bits alone or batched, on one thread or two (what verification needs)."""
+    from deltaserve.ops.moe import native as moe_native
+    from deltaserve.ops.moe.ref import moe_experts
+
+    for seed, tokens in enumerate((1, 3, 8)):
+        x, w13, w2, weights, ids = moe_inputs(tokens, dtype, seed)
+        if tokens > 1:
+            ids[1, 0] = -1
+        assert moe_native.supports(x, w13, w2, weights, ids, fp32_combine=fp32_combine)
+        want = moe_experts(x, w13, w2, weights, ids, fp32_combine=fp32_combine)
+        got = moe_native.moe_experts_native(x, w13, w2, weights, ids, fp32_combine=fp32_combine)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert rel(got, want) < (1e-6 if dtype == torch.float32 else 1e-2), (seed, rel(got, want))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            two = moe_native.moe_experts_native(x, w13, w2, weights, ids, fp32_combine=fp32_combine)
+        finally:
+            torch.set_num_threads(threads)
+        alone = [moe_native.moe_experts_native(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1],
+                                               fp32_combine=fp32_combine) for t in range(tokens)]
+        assert torch.equal(two, got) and torch.equal(torch.cat(alone), got)
+
+
+@needs_native
+def test_native_moe_experts_take_only_what_they_compute():
+    """The dispatcher gives decode-sized calls (at most MAX_PAIRS routed pairs) of dense SiLU-GLU stacks to the C
+    kernel, and nothing else: more pairs, K3's SiTU, another linear (MXFP4, packed weights), fp64, non-contiguous
+    stacks. An expert id outside the stack is an IndexError before anything runs."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from deltaserve.ops.activation import situ_and_mul
+    from deltaserve.ops.moe import moe_experts as dispatched
+    from deltaserve.ops.moe import native as moe_native
+
+    x, w13, w2, weights, ids = moe_inputs(8, torch.float32, seed=5)
+    assert dispatched.select(x, w13, w2, weights, ids) == "native"  # type: ignore[attr-defined]
+    more = moe_inputs(9, torch.float32, seed=5)
+    assert not moe_native.supports(*more)  # 18 pairs
+    situ = functools.partial(situ_and_mul, beta=4.0, linear_beta=25.0, interleaved=True)
+    assert not moe_native.supports(x, w13, w2, weights, ids, act=situ)
+    assert not moe_native.supports(x, w13, w2, weights, ids, linear=lambda a, w: F.linear(a, w))
+    assert not moe_native.supports(x.double(), w13.double(), w2.double(), weights, ids)
+    assert not moe_native.supports(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, weights, ids)
+    bad = ids.clone()
+    bad[0, 0] = 6
+    with pytest.raises(IndexError, match=r"outside \[-1, 6\)"):
+        moe_native.moe_experts_native(x, w13, w2, weights, bad)

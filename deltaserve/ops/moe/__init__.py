@@ -1,7 +1,8 @@
 """MoE routing and grouped experts: the only entry points layers call, dispatched. `moe_experts` has the sorted
 grouped-GEMM backend (`sorted.py`) for dense SiLU-GLU experts and a fused Triton kernel (`triton_moe.py`) for dense
-or MXFP4 experts with SiLU-GLU or SiTU, both on CUDA, and on a CPU every-expert batched matmuls for small stacks under
-many routed pairs (`cpu_dense.py`); everything else runs the reference."""
+or MXFP4 experts with SiLU-GLU or SiTU, both on CUDA, and on a CPU a C kernel for a few routed pairs (`native.c`:
+decode rows, verify chunks) and every-expert batched matmuls for small stacks under many routed pairs
+(`cpu_dense.py`); everything else runs the reference."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from deltaserve.ops import dispatch, triton_backend
 from deltaserve.ops.activation import silu_and_mul
-from deltaserve.ops.moe import cpu_dense, ref, sorted
+from deltaserve.ops.moe import cpu_dense, native, ref, sorted
 from deltaserve.ops.moe.fused_spec import fused_act, weight_format
 from deltaserve.ops.mxfp4.ref import BLOCK_SIZE, MXFP4Tensor
 
@@ -43,6 +44,8 @@ dispatch.register(
     "moe_experts",
     dispatch.Backend("sorted", sorted.moe_experts_sorted, available=sorted.available, supports=sorted.supports),
 )
+dispatch.register("moe_experts", dispatch.Backend("native", native.moe_experts_native, available=native.available,
+                                                  supports=native.supports))
 dispatch.register("moe_experts", dispatch.Backend("cpu_dense", cpu_dense.moe_experts_dense,
                                                   supports=cpu_dense.supports))
 dispatch.register(  # after `sorted` (dense SiLU-GLU goes there); by name: triton imported only if available
