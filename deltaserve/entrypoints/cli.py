@@ -76,6 +76,10 @@ def _serve(args: argparse.Namespace) -> int:
                           scheduler=dataclass_from_args(SchedulerConfig, args),
                           parallel=dataclass_from_args(ParallelConfig, args), speculative_config=spec,
                           kv_transfer_config=kv)
+    if server.restart_engine and engine.parallel.experts_span_replicas:
+        raise ValueError("--restart-engine cannot be used with experts over data-parallel replicas "
+                         "(--data-parallel-size N --enable-expert-parallel): the replicas live and die together, "
+                         "and one restarted alone cannot rejoin the others")
     return run(engine, server, log_level=args.log_level)
 
 

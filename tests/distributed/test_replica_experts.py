@@ -165,3 +165,14 @@ def test_tensor_parallel_replicas_with_experts_over_both_give_the_outputs_of_one
     assert min(routed) > 0
     ref = LLM(model=path, max_model_len=512, tensor_parallel_size=2).generate(PROMPTS[:4], params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_restart_engine_is_refused_with_experts_over_replicas(capsys):
+    """A replica restarted alone could not rejoin the others' group: `serve` refuses the combination in one line,
+    before starting anything."""
+    from deltaserve.entrypoints.cli import main
+
+    rc = main(["serve", "--data-parallel-size", "2", "--enable-expert-parallel", "--restart-engine"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--restart-engine cannot be used with experts over" in err[0]
+
