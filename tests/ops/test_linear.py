@@ -1,4 +1,5 @@
-"""The dense linear op: oneDNN-packed weights (CPU, bf16) against `F.linear`, and whole models after prepacking."""
+"""The dense linear op: oneDNN-packed weights (CPU, bf16) against `F.linear`, and whole models after prepacking; the
+native few-row kernel and the bf16-as-fp32 GEMM against `F.linear`."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import torch.nn.functional as F
 
 from deltaserve.layers.linear import prepack_weights
 from deltaserve.models.loader import load_model
-from deltaserve.ops import dispatch
-from deltaserve.ops.linear import can_pack, linear, onednn, pack, ref
+from deltaserve.ops import dispatch, native_backend
+from deltaserve.ops.linear import can_pack, linear, native, onednn, pack, ref
 from tests.helpers import full_logits, prompt_ids
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="no oneDNN bf16 linear in this torch on this CPU")
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler for the native kernels here")
 
 
 @needs_onednn
@@ -49,7 +51,7 @@ def test_reference_unpacks_and_plain_weights_take_the_reference():
     w = torch.randn(16, 8).bfloat16()
     x = torch.randn(2, 8).bfloat16()
     assert torch.equal(ref.linear(x, pack(w)), F.linear(x, w))
-    assert linear.select(x, w) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(x, w) != "onednn"  # type: ignore[attr-defined]
     assert linear.select(x.float(), pack(w)) == "ref"  # type: ignore[attr-defined]  # dtype mismatch
 
 
@@ -92,3 +94,94 @@ def test_prepacked_model_gives_the_same_logits(tiny_dir, variant, default_dispat
 def test_prepack_leaves_fp32_models_alone(tiny_dir):
     """Nothing is packed in an fp32 model, so its numbers (the transformers parity) cannot move."""
     assert prepack_weights(load_model(tiny_dir("base"))) == 0
+
+
+def _close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """`out` within the linear's tolerance of the exact product (fp64) rounded to x's dtype: fp32 1e-5 relative to
+    the row's scale; bf16 one bf16 step (the fp32 sum can land on the other side of a rounding boundary)."""
+    exact = F.linear(x.double(), w.double())
+    scale = exact.abs().amax(dim=-1, keepdim=True).clamp_min(1.0)
+    if x.dtype == torch.float32:
+        assert ((out.double() - exact).abs() / scale).max() < 1e-5
+    else:
+        step = exact.to(torch.bfloat16).double().abs().clamp_min(2.0**-100) * 2.0**-7
+        assert ((out.double() - exact).abs() <= step).all()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 4100, 160), (2, 64, 1024), (5, 7, 24),
+                                                             (8, 1027, 512), (16, 33, 1032)])
+def test_native_linear_matches_f_linear(rows, out_features, in_features, dtype, default_dispatch):
+    """Up to 16 rows of a plain weight take the C kernel; any output count (partial tiles), inputs in blocks and
+    not; within the tolerance of the exact product."""
+    g = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    assert linear.select(x, w) == "native"  # type: ignore[attr-defined]
+    out = linear(x, w)
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    _close(out, x, w)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_linear_row_alone_equals_batched_on_any_thread_count(dtype):
+    """A row's bits do not depend on the other rows (decode batch == alone, a verify chunk == its decode steps) nor
+    on the thread count; leading dims and a column-slice input (a fused projection's split) work."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1029, 256, generator=g).to(dtype)
+    wide = torch.randn(16, 300, generator=g).to(dtype)
+    x = wide[:, 20:276]  # not contiguous
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [linear(x[i:i + 1], w) for i in range(16)]
+        torch.set_num_threads(2)
+        batched = linear(x, w)
+        three = linear(x[:12].reshape(3, 4, 256), w)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(batched[i:i + 1], alone[i]) for i in range(16))
+    assert torch.equal(three.reshape(12, -1), batched[:12])
+
+
+@needs_native
+def test_native_linear_takes_only_what_it_computes():
+    """More than 16 rows, inputs not a multiple of 8, a dtype mismatch, fp64 and a non-contiguous weight go
+    elsewhere; the kernel refuses a bad shape before writing anything."""
+    w = torch.randn(16, 64)
+    assert linear.select(torch.randn(17, 64), w) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(2, 60), torch.randn(16, 60)) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(2, 64).double(), w.double()) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(2, 64), w.bfloat16()) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(2, 64), torch.randn(64, 16).t()) == "ref"  # type: ignore[attr-defined]
+    assert not native.supports(torch.randn(0, 64), w)
+    with pytest.raises(ValueError, match="17 rows of 64"):
+        native.linear(torch.randn(17, 64), w)
+
+
+@pytest.mark.parametrize("rows", [17, 300])
+def test_bf16_gemm_runs_as_fp32_where_the_cpu_has_no_bf16_path(rows, default_dispatch):
+    """bf16 GEMMs of more rows than the kernel takes run as fp32 (widened, one rounding) on CPUs whose oneDNN has no
+    bf16 path (there PyTorch's bf16 GEMM runs at about a tenth of the fp32 rate); within one bf16 step."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 72, generator=g).bfloat16()
+    x = torch.randn(rows, 72, generator=g).bfloat16()
+    _close(native.upcast_linear(x, w), x, w)
+    expected = "ref" if onednn.available() else "upcast"
+    assert linear.select(x, w) == expected  # type: ignore[attr-defined]
+    assert linear.select(x.float(), w.float()) == "ref"  # type: ignore[attr-defined]
+
+
+def test_switched_off_native_kernels_leave_f_linear(monkeypatch, default_dispatch):
+    """`DELTASERVE_NATIVE_KERNELS=0`: a few fp32 rows take the reference again."""
+    monkeypatch.setenv("DELTASERVE_NATIVE_KERNELS", "0")
+    native_backend.load.cache_clear()
+    dispatch.reset()
+    try:
+        assert linear.select(torch.randn(2, 64), torch.randn(16, 64)) == "ref"  # type: ignore[attr-defined]
+    finally:
+        native_backend.load.cache_clear()
+        monkeypatch.delenv("DELTASERVE_NATIVE_KERNELS")
+        dispatch.reset()

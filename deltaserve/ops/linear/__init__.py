@@ -1,14 +1,20 @@
 """Dense linear ``y = x W^T``: the entry point layers call for every dense projection, dispatched. A weight packed at
-load time (`pack`, oneDNN's blocked layout, CPU) takes the `onednn` backend; a plain tensor runs the reference."""
+load time (`pack`, oneDNN's blocked layout, CPU) takes the `onednn` backend; a plain fp32 / bf16 CPU weight takes the
+`native` C kernel for up to 16 rows (decode, verify chunks), and bf16 GEMMs of more rows run as fp32 (`upcast`) on
+CPUs without bf16 arithmetic; everything else runs the reference."""
 
 from __future__ import annotations
 
 from deltaserve.ops import dispatch
-from deltaserve.ops.linear import onednn, ref
+from deltaserve.ops.linear import native, onednn, ref
 from deltaserve.ops.linear.onednn import can_pack, pack
 
 linear = dispatch.op("linear", ref.linear)
 dispatch.register("linear", dispatch.Backend("onednn", onednn.linear, available=onednn.available,
                                              supports=onednn.supports))
+dispatch.register("linear", dispatch.Backend("native", native.linear, available=native.available,
+                                             supports=native.supports))
+dispatch.register("linear", dispatch.Backend("upcast", native.upcast_linear, available=native.upcast_available,
+                                             supports=native.upcast_supports))
 
 __all__ = ["can_pack", "linear", "pack"]
