@@ -137,12 +137,13 @@ class MoE(nn.Module):
         replicas = self.placement.replicas
         tokens, start, count = (x, 0, x.shape[0]) if replicas is None else replicas.gather(x)
         weights, ids = route_tokens(tokens, self.gate_weight, self.correction_bias, self.cfg)
-        # The stacks as loaded take `F.linear` (the grouped-GEMM path accepts those); per-expert packed weights after
-        # `prepack` take the packed `ops.linear`.
-        packed = isinstance(self.w13, nn.ParameterList)
+        # Per-expert packed weights after `prepack` take the packed `ops.linear`, and so do the stacks as loaded on a
+        # CPU (its few-row kernel where the reference loops over experts); elsewhere they take `F.linear` (the
+        # grouped-GEMM and Triton paths accept that).
+        ops_linear = isinstance(self.w13, nn.ParameterList) or tokens.device.type == "cpu"
         stacks = [self.w13, self.w2] if isinstance(self.w13, nn.Parameter) and isinstance(self.w2, nn.Parameter) else []
         y = moe_experts(tokens, self.w13, self.w2, weights, self.placement.route(ids, stacks),
-                        linear=linear if packed else F.linear)
+                        linear=linear if ops_linear else F.linear)
         if self.shared_experts is not None:  # this rank's partial, on this replica's rows: summed with the rest
             shared = self.shared_experts(x)
             y = y + shared if replicas is None else torch.cat((y[:start], y[start:start + count] + shared,

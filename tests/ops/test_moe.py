@@ -292,12 +292,14 @@ def test_cpu_dense_experts_match_the_reference(dtype, fp32_combine):
 def test_cpu_dense_experts_only_where_the_waste_is_small():
     """Taken for at least as many routed pairs as experts and small stacks; not for a decode row of 8 experts
     top-2, a big stack, MXFP4-style linears, fp64 or non-CPU tensors."""
+    from deltaserve.ops.linear import linear as ops_linear
     from deltaserve.ops.moe import cpu_dense
     from deltaserve.ops.moe import moe_experts as dispatched
 
     x, w13, w2 = torch.randn(9, 32), torch.randn(8, 48, 32), torch.randn(8, 32, 24)
     weights, ids = torch.rand(9, 2), torch.randint(0, 8, (9, 2))
     assert dispatched.select(x, w13, w2, weights, ids) == "cpu_dense"  # type: ignore[attr-defined]
+    assert cpu_dense.supports(x, w13, w2, weights, ids, linear=ops_linear)  # what the MoE layer passes on a CPU
     assert not cpu_dense.supports(x[:3], w13, w2, weights[:3], ids[:3])  # 6 pairs, 8 experts
     big_x, big_w13, big_w2 = (torch.zeros(1, 1, 1).expand(*shape) for shape in ((1, 8, 1024), (8, 2048, 1024),
                                                                                     (8, 1024, 1024)))

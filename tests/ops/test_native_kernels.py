@@ -255,11 +255,14 @@ def test_native_moe_experts_take_only_what_they_compute():
     import torch.nn.functional as F
 
     from deltaserve.ops.activation import situ_and_mul
+    from deltaserve.ops.linear import linear as ops_linear
     from deltaserve.ops.moe import moe_experts as dispatched
     from deltaserve.ops.moe import native as moe_native
 
     x, w13, w2, weights, ids = moe_inputs(8, torch.float32, seed=5)
     assert dispatched.select(x, w13, w2, weights, ids) == "native"  # type: ignore[attr-defined]
+    # the MoE layer passes the dispatched linear on a CPU (the reference then loops through its few-row kernel)
+    assert dispatched.select(x, w13, w2, weights, ids, linear=ops_linear) == "native"  # type: ignore[attr-defined]
     more = moe_inputs(9, torch.float32, seed=5)
     assert not moe_native.supports(*more)  # 18 pairs
     situ = functools.partial(situ_and_mul, beta=4.0, linear_beta=25.0, interleaved=True)

@@ -5,6 +5,8 @@ CPUs without bf16 arithmetic; everything else runs the reference."""
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
 from deltaserve.ops import dispatch
 from deltaserve.ops.linear import native, onednn, ref
 from deltaserve.ops.linear.onednn import can_pack, pack
@@ -17,4 +19,8 @@ dispatch.register("linear", dispatch.Backend("native", native.linear, available=
 dispatch.register("linear", dispatch.Backend("upcast", native.upcast_linear, available=native.upcast_available,
                                              supports=native.upcast_supports))
 
-__all__ = ["can_pack", "linear", "pack"]
+PLAIN_LINEARS = (F.linear, linear)
+"""The linears that mean ``x W^T`` on plain weight tensors: MoE backends that run their own GEMMs (or C kernels) over
+plain expert stacks accept either as their `linear` argument."""
+
+__all__ = ["PLAIN_LINEARS", "can_pack", "linear", "pack"]

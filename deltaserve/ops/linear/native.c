@@ -21,13 +21,13 @@
 #endif
 
 #define MAX_ROWS 16
-#define OT 4   /* outputs per tile: one weight tile read from memory once for every row */
-#ifndef KB
+#define OT 8 /* outputs per tile: one weight tile read from memory once for every row */
+/* Tiles of more than L1_TILE bytes are taken in blocks of KB inputs (OT x KB fp32 = 16 KiB), which stay in L1 while
+ * every row pair passes them; smaller tiles (and every tile for 1-2 rows) are read whole: their rows are contiguous
+ * in memory, one sequential stream. PF_AHEAD: how many blocks ahead the loop asks for the weights. */
 #define KB 512
-#endif
-#ifndef PF_AHEAD
+#define L1_TILE 32768
 #define PF_AHEAD 2
-#endif /* inputs per block: a tile's block (OT x KB fp32 = 4 KiB) stays in L1 while every row passes it */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -58,42 +58,53 @@ static inline __m256 load_bf16(const void *p, int64_t i) {
 #define PIN(v) __asm__("" : "+x"(v))
 
 /* The lane sums of rows [0, nr) x the OT outputs of a tile over inputs [0, n) of one block: acc[r][o][8] continues
- * from what it holds; w[o] points at the block's weights of output o (fp32 or bf16, LOAD), x[r] at row r's block. */
+ * from what it holds; w[o] points at the block's weights of output o (fp32 or bf16, LOAD), x[r] at row r's block.
+ * Eight independent multiply-add chains in flight either way (two rows x four outputs, or one row x eight): fewer
+ * leave the loop waiting on the multiply-add latency. Every output's lanes see the same operations in both. */
 #define TILE_BLOCK(NAME, LOAD)                                                                                        \
     static void NAME(float (*acc)[OT][8], const float *const *x, int nr, const void *const *w, int64_t n) {        \
         int r = 0;                                                                                                    \
-        for (; r + 2 <= nr; r += 2) {                                                                                 \
-            __m256 a00 = _mm256_loadu_ps(acc[r][0]), a01 = _mm256_loadu_ps(acc[r][1]);                                \
-            __m256 a02 = _mm256_loadu_ps(acc[r][2]), a03 = _mm256_loadu_ps(acc[r][3]);                                \
-            __m256 a10 = _mm256_loadu_ps(acc[r + 1][0]), a11 = _mm256_loadu_ps(acc[r + 1][1]);                        \
-            __m256 a12 = _mm256_loadu_ps(acc[r + 1][2]), a13 = _mm256_loadu_ps(acc[r + 1][3]);                        \
-            const float *x0 = x[r], *x1 = x[r + 1];                                                                   \
-            for (int64_t i = 0; i < n; i += 8) {                                                                      \
-                __m256 w0 = LOAD(w[0], i), w1 = LOAD(w[1], i), w2 = LOAD(w[2], i), w3 = LOAD(w[3], i);                \
-                PIN(w0); PIN(w1); PIN(w2); PIN(w3);                                                                   \
-                __m256 v0 = _mm256_loadu_ps(x0 + i), v1 = _mm256_loadu_ps(x1 + i);                                    \
-                PIN(v0); PIN(v1);                                                                                     \
-                a00 = _mm256_fmadd_ps(v0, w0, a00); a01 = _mm256_fmadd_ps(v0, w1, a01);                               \
-                a02 = _mm256_fmadd_ps(v0, w2, a02); a03 = _mm256_fmadd_ps(v0, w3, a03);                               \
-                a10 = _mm256_fmadd_ps(v1, w0, a10); a11 = _mm256_fmadd_ps(v1, w1, a11);                               \
-                a12 = _mm256_fmadd_ps(v1, w2, a12); a13 = _mm256_fmadd_ps(v1, w3, a13);                               \
+        for (; r + 2 <= nr; r += 2)                                                                                   \
+            for (int h = 0; h < OT; h += 4) {                                                                         \
+                float *c0 = acc[r][h], *c1 = acc[r + 1][h];                                                           \
+                __m256 a00 = _mm256_loadu_ps(c0), a01 = _mm256_loadu_ps(c0 + 8);                                      \
+                __m256 a02 = _mm256_loadu_ps(c0 + 16), a03 = _mm256_loadu_ps(c0 + 24);                                \
+                __m256 a10 = _mm256_loadu_ps(c1), a11 = _mm256_loadu_ps(c1 + 8);                                      \
+                __m256 a12 = _mm256_loadu_ps(c1 + 16), a13 = _mm256_loadu_ps(c1 + 24);                                \
+                const float *x0 = x[r], *x1 = x[r + 1];                                                               \
+                const void *p0 = w[h], *p1 = w[h + 1], *p2 = w[h + 2], *p3 = w[h + 3];                                \
+                for (int64_t i = 0; i < n; i += 8) {                                                                  \
+                    __m256 w0 = LOAD(p0, i), w1 = LOAD(p1, i), w2 = LOAD(p2, i), w3 = LOAD(p3, i);                    \
+                    PIN(w0); PIN(w1); PIN(w2); PIN(w3);                                                               \
+                    __m256 v0 = _mm256_loadu_ps(x0 + i), v1 = _mm256_loadu_ps(x1 + i);                                \
+                    PIN(v0); PIN(v1);                                                                                 \
+                    a00 = _mm256_fmadd_ps(v0, w0, a00); a01 = _mm256_fmadd_ps(v0, w1, a01);                           \
+                    a02 = _mm256_fmadd_ps(v0, w2, a02); a03 = _mm256_fmadd_ps(v0, w3, a03);                           \
+                    a10 = _mm256_fmadd_ps(v1, w0, a10); a11 = _mm256_fmadd_ps(v1, w1, a11);                           \
+                    a12 = _mm256_fmadd_ps(v1, w2, a12); a13 = _mm256_fmadd_ps(v1, w3, a13);                           \
+                }                                                                                                     \
+                _mm256_storeu_ps(c0, a00); _mm256_storeu_ps(c0 + 8, a01);                                             \
+                _mm256_storeu_ps(c0 + 16, a02); _mm256_storeu_ps(c0 + 24, a03);                                       \
+                _mm256_storeu_ps(c1, a10); _mm256_storeu_ps(c1 + 8, a11);                                             \
+                _mm256_storeu_ps(c1 + 16, a12); _mm256_storeu_ps(c1 + 24, a13);                                       \
             }                                                                                                         \
-            _mm256_storeu_ps(acc[r][0], a00); _mm256_storeu_ps(acc[r][1], a01);                                       \
-            _mm256_storeu_ps(acc[r][2], a02); _mm256_storeu_ps(acc[r][3], a03);                                       \
-            _mm256_storeu_ps(acc[r + 1][0], a10); _mm256_storeu_ps(acc[r + 1][1], a11);                               \
-            _mm256_storeu_ps(acc[r + 1][2], a12); _mm256_storeu_ps(acc[r + 1][3], a13);                               \
-        }                                                                                                             \
         for (; r < nr; r++) {                                                                                         \
-            __m256 a0 = _mm256_loadu_ps(acc[r][0]), a1 = _mm256_loadu_ps(acc[r][1]);                                  \
-            __m256 a2 = _mm256_loadu_ps(acc[r][2]), a3 = _mm256_loadu_ps(acc[r][3]);                                  \
+            float *c = acc[r][0];                                                                                     \
+            __m256 a0 = _mm256_loadu_ps(c), a1 = _mm256_loadu_ps(c + 8), a2 = _mm256_loadu_ps(c + 16);                \
+            __m256 a3 = _mm256_loadu_ps(c + 24), a4 = _mm256_loadu_ps(c + 32), a5 = _mm256_loadu_ps(c + 40);          \
+            __m256 a6 = _mm256_loadu_ps(c + 48), a7 = _mm256_loadu_ps(c + 56);                                        \
             const float *x0 = x[r];                                                                                   \
             for (int64_t i = 0; i < n; i += 8) {                                                                      \
                 __m256 v0 = _mm256_loadu_ps(x0 + i);                                                                  \
+                PIN(v0);                                                                                              \
                 a0 = _mm256_fmadd_ps(v0, LOAD(w[0], i), a0); a1 = _mm256_fmadd_ps(v0, LOAD(w[1], i), a1);             \
                 a2 = _mm256_fmadd_ps(v0, LOAD(w[2], i), a2); a3 = _mm256_fmadd_ps(v0, LOAD(w[3], i), a3);             \
+                a4 = _mm256_fmadd_ps(v0, LOAD(w[4], i), a4); a5 = _mm256_fmadd_ps(v0, LOAD(w[5], i), a5);             \
+                a6 = _mm256_fmadd_ps(v0, LOAD(w[6], i), a6); a7 = _mm256_fmadd_ps(v0, LOAD(w[7], i), a7);             \
             }                                                                                                         \
-            _mm256_storeu_ps(acc[r][0], a0); _mm256_storeu_ps(acc[r][1], a1);                                         \
-            _mm256_storeu_ps(acc[r][2], a2); _mm256_storeu_ps(acc[r][3], a3);                                         \
+            _mm256_storeu_ps(c, a0); _mm256_storeu_ps(c + 8, a1); _mm256_storeu_ps(c + 16, a2);                       \
+            _mm256_storeu_ps(c + 24, a3); _mm256_storeu_ps(c + 32, a4); _mm256_storeu_ps(c + 40, a5);                 \
+            _mm256_storeu_ps(c + 48, a6); _mm256_storeu_ps(c + 56, a7);                                               \
         }                                                                                                             \
     }
 TILE_BLOCK(tile_f32, load_f32)
@@ -116,10 +127,10 @@ static void tile_any(float (*acc)[OT][8], const float *const *x, int nr, const v
 /* Ask for the weight block PF_AHEAD blocks after (tile t, inputs from k0), in the order the loop takes them (a tile's
  * inputs, then the next tile's): a tile's rows are OT separate streams, which the hardware prefetchers follow too
  * late on their own, bf16 ones especially. */
-static inline void prefetch_ahead(const void *w, int64_t t, int64_t k0, int64_t K, int64_t N, int bf16) {
-    int64_t blocks = (K + KB - 1) / KB, b = t * blocks + k0 / KB + PF_AHEAD;
-    int64_t o0 = b / blocks * OT, k = b % blocks * KB;
-    int64_t n = K - k < KB ? K - k : KB, es = bf16 ? 2 : 4;
+static inline void prefetch_ahead(const void *w, int64_t t, int64_t k0, int64_t kb, int64_t K, int64_t N, int bf16) {
+    int64_t blocks = (K + kb - 1) / kb, b = t * blocks + k0 / kb + PF_AHEAD;
+    int64_t o0 = b / blocks * OT, k = b % blocks * kb;
+    int64_t n = K - k < kb ? K - k : kb, es = bf16 ? 2 : 4;
     for (int64_t o = o0; o < o0 + OT && o < N; o++) {
         const char *row = (const char *)w + (o * K + k) * es;
         for (int64_t c = 0; c < n * es; c += 64) __builtin_prefetch(row + c);
@@ -131,6 +142,9 @@ static inline void prefetch_ahead(const void *w, int64_t t, int64_t k0, int64_t 
 int linear_rows(const float *x, const void *w, void *y, int64_t M, int64_t K, int64_t N, int bf16, int num_threads) {
     if (M < 1 || M > MAX_ROWS || K % 8 || N < 1) return -1;
     int64_t tiles = (N + OT - 1) / OT;
+    /* Inputs per block: a tile's rows are contiguous in memory, so whole rows make one sequential stream; blocks are
+     * for tiles too large for L1 that several row pairs pass over. */
+    int64_t kb = (M <= 2 || OT * K * (bf16 ? 2 : 4) <= L1_TILE) ? K : KB;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && tiles > 1)
     for (int64_t t = 0; t < tiles; t++) {
         float acc[MAX_ROWS][OT][8];
@@ -139,9 +153,9 @@ int linear_rows(const float *x, const void *w, void *y, int64_t M, int64_t K, in
         int64_t o0 = t * OT;
         int no = (int)(N - o0 < OT ? N - o0 : OT);
         memset(acc, 0, sizeof acc);
-        for (int64_t k0 = 0; k0 < K; k0 += KB) {
-            int64_t n = K - k0 < KB ? K - k0 : KB;
-            prefetch_ahead(w, t, k0, K, N, bf16);
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+            int64_t n = K - k0 < kb ? K - k0 : kb;
+            prefetch_ahead(w, t, k0, kb, K, N, bf16);
             for (int o = 0; o < no; o++)
                 wp[o] = bf16 ? (const void *)((const uint16_t *)w + (o0 + o) * K + k0)
                              : (const void *)((const float *)w + (o0 + o) * K + k0);

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deltaserve.ops.activation import silu_and_mul
+from deltaserve.ops.linear import PLAIN_LINEARS
 
 DENSE_MACS = 1 << 23
 """Most multiply-adds a call may spend on all (token, expert) pairs: ~8M, well under a millisecond on one core."""
@@ -26,10 +27,10 @@ DENSE_MACS = 1 << 23
 def supports(x: Tensor, w13: Any, w2: Any, topk_weights: Tensor | None = None, topk_ids: Tensor | None = None, *,
              act: Callable[[Tensor], Tensor] = silu_and_mul, linear: Callable[[Tensor, Any], Tensor] = F.linear,
              fp32_combine: bool = False) -> bool:
-    """CPU tokens, dense fp32 / bf16 stacks of x's dtype (`F.linear`), at least as many routed pairs as experts, and
-    every pair's work within `DENSE_MACS`."""
-    if (x.device.type != "cpu" or linear is not F.linear or not isinstance(w13, Tensor) or not isinstance(w2, Tensor)
-            or topk_ids is None or x.dtype not in (torch.float32, torch.bfloat16)):
+    """CPU tokens, dense fp32 / bf16 stacks of x's dtype (`F.linear` or the dispatched `ops.linear`), at least as
+    many routed pairs as experts, and every pair's work within `DENSE_MACS`."""
+    if (x.device.type != "cpu" or linear not in PLAIN_LINEARS or not isinstance(w13, Tensor)
+            or not isinstance(w2, Tensor) or topk_ids is None or x.dtype not in (torch.float32, torch.bfloat16)):
         return False
     if w13.dim() != 3 or w2.dim() != 3 or w13.dtype != x.dtype or w2.dtype != x.dtype:
         return False

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from deltaserve.ops import native_backend
 from deltaserve.ops.activation import silu_and_mul
+from deltaserve.ops.linear import PLAIN_LINEARS
 from deltaserve.ops.native_backend import ptr
 
 SOURCE = Path(__file__).with_name("native.c")
@@ -36,9 +37,9 @@ def available() -> bool:
 def supports(x: Tensor, w13: Any, w2: Any, topk_weights: Tensor | None = None, topk_ids: Tensor | None = None, *,
              act: Callable[[Tensor], Tensor] = silu_and_mul, linear: Callable[[Tensor, Any], Tensor] = F.linear,
              fp32_combine: bool = False) -> bool:
-    """CPU tokens in fp32 / bf16, contiguous dense stacks of their dtype (`F.linear`), SiLU-GLU, fp32 combine weights
-    and at most `MAX_PAIRS` routed pairs."""
-    if (x.device.type != "cpu" or linear is not F.linear or act is not silu_and_mul or topk_ids is None
+    """CPU tokens in fp32 / bf16, contiguous dense stacks of their dtype (`F.linear` or the dispatched `ops.linear`),
+    SiLU-GLU, fp32 combine weights and at most `MAX_PAIRS` routed pairs."""
+    if (x.device.type != "cpu" or linear not in PLAIN_LINEARS or act is not silu_and_mul or topk_ids is None
             or topk_weights is None or x.dtype not in (torch.float32, torch.bfloat16)):
         return False
     if not isinstance(w13, Tensor) or not isinstance(w2, Tensor) or w13.dim() != 3 or w2.dim() != 3:
