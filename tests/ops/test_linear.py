@@ -113,13 +113,12 @@ def _close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 4100, 160), (2, 64, 1024), (5, 7, 24),
                                                              (8, 1027, 512), (16, 33, 1032)])
 def test_native_linear_matches_f_linear(rows, out_features, in_features, dtype, default_dispatch):
-    """Up to 16 rows of a plain weight take the C kernel; any output count (partial tiles), inputs in blocks and
-    not; within the tolerance of the exact product."""
+    """The C kernel on any output count (partial tiles), inputs in blocks and whole, 1-16 rows: within the
+    tolerance of the exact product."""
     g = torch.Generator().manual_seed(rows * out_features)
     w = torch.randn(out_features, in_features, generator=g).to(dtype)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    assert linear.select(x, w) == "native"  # type: ignore[attr-defined]
-    out = linear(x, w)
+    out = native.kernel_linear(x, w)
     assert out.shape == (rows, out_features) and out.dtype == dtype
     _close(out, x, w)
 
@@ -136,10 +135,10 @@ def test_native_linear_row_alone_equals_batched_on_any_thread_count(dtype):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = [linear(x[i:i + 1], w) for i in range(16)]
+        alone = [native.kernel_linear(x[i:i + 1], w) for i in range(16)]
         torch.set_num_threads(2)
-        batched = linear(x, w)
-        three = linear(x[:12].reshape(3, 4, 256), w)
+        batched = native.kernel_linear(x, w)
+        three = native.kernel_linear(x[:12].reshape(3, 4, 256), w)
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(batched[i:i + 1], alone[i]) for i in range(16))
@@ -148,29 +147,39 @@ def test_native_linear_row_alone_equals_batched_on_any_thread_count(dtype):
 
 @needs_native
 def test_native_linear_takes_only_what_it_computes():
-    """More than 16 rows, inputs not a multiple of 8, a dtype mismatch, fp64 and a non-contiguous weight go
-    elsewhere; the kernel refuses a bad shape before writing anything."""
-    w = torch.randn(16, 64)
-    assert linear.select(torch.randn(17, 64), w) == "ref"  # type: ignore[attr-defined]
-    assert linear.select(torch.randn(2, 60), torch.randn(16, 60)) == "ref"  # type: ignore[attr-defined]
-    assert linear.select(torch.randn(2, 64).double(), w.double()) == "ref"  # type: ignore[attr-defined]
-    assert linear.select(torch.randn(2, 64), w.bfloat16()) == "ref"  # type: ignore[attr-defined]
-    assert linear.select(torch.randn(2, 64), torch.randn(64, 16).t()) == "ref"  # type: ignore[attr-defined]
-    assert not native.supports(torch.randn(0, 64), w)
+    """The dispatcher gives the backend 1-16 rows of a large fp32 weight (one that does not stay in the caches) and
+    bf16 calls; small fp32 weights, more fp32 rows, fp64, a dtype mismatch and a non-contiguous fp32 weight take the
+    reference. The kernel computes at most 16 rows of a multiple of 8 inputs of a plain contiguous weight, and refuses
+    a bad shape before writing anything."""
+    big, small = torch.randn(1024, 1024), torch.randn(16, 64)
+    assert linear.select(torch.randn(1, 1024), big) == "native"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(16, 1024), big) == "native"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(2, 64).bfloat16(), small.bfloat16()) == "native"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(8, 64), small) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(17, 1024), big) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(2, 1024).double(), big.double()) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(2, 1024), big.bfloat16()) == "ref"  # type: ignore[attr-defined]
+    assert linear.select(torch.randn(2, 1024), big.t()) == "ref"  # type: ignore[attr-defined]
+    assert native._kernel_takes(torch.randn(16, 64).bfloat16(), small.bfloat16())
+    assert not native._kernel_takes(torch.randn(17, 64).bfloat16(), small.bfloat16())
+    assert not native._kernel_takes(torch.randn(2, 60).bfloat16(), torch.randn(16, 60).bfloat16())
+    assert not native._kernel_takes(torch.randn(0, 1024), big)
     with pytest.raises(ValueError, match="17 rows of 64"):
-        native.linear(torch.randn(17, 64), w)
+        native.kernel_linear(torch.randn(17, 64), small)
 
 
-@pytest.mark.parametrize("rows", [17, 300])
+@pytest.mark.parametrize("rows", [1, 17, 300])
 def test_bf16_gemm_runs_as_fp32_where_the_cpu_has_no_bf16_path(rows, default_dispatch):
-    """bf16 GEMMs of more rows than the kernel takes run as fp32 (widened, one rounding) on CPUs whose oneDNN has no
-    bf16 path (there PyTorch's bf16 GEMM runs at about a tenth of the fp32 rate); within one bf16 step."""
+    """bf16 calls the kernel does not take (more than 16 rows; one row of a small weight) run as an fp32 GEMM
+    (widened, one rounding) on CPUs whose oneDNN has no bf16 path (there PyTorch's bf16 GEMM runs at about a tenth of
+    the fp32 rate), else as `F.linear`; within one bf16 step."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 72, generator=g).bfloat16()
     x = torch.randn(rows, 72, generator=g).bfloat16()
     _close(native.upcast_linear(x, w), x, w)
-    expected = "ref" if onednn.available() else "upcast"
-    assert linear.select(x, w) == expected  # type: ignore[attr-defined]
+    if native.available():
+        assert linear.select(x, w) == ("ref" if onednn.available() else "native")  # type: ignore[attr-defined]
+        _close(native.linear(x, w), x, w)
     assert linear.select(x.float(), w.float()) == "ref"  # type: ignore[attr-defined]
 
 
@@ -180,7 +189,7 @@ def test_switched_off_native_kernels_leave_f_linear(monkeypatch, default_dispatc
     native_backend.load.cache_clear()
     dispatch.reset()
     try:
-        assert linear.select(torch.randn(2, 64), torch.randn(16, 64)) == "ref"  # type: ignore[attr-defined]
+        assert linear.select(torch.randn(2, 1024), torch.randn(1024, 1024)) == "ref"  # type: ignore[attr-defined]
     finally:
         native_backend.load.cache_clear()
         monkeypatch.delenv("DELTASERVE_NATIVE_KERNELS")

@@ -1,7 +1,7 @@
 """Dense linear ``y = x W^T``: the entry point layers call for every dense projection, dispatched. A weight packed at
 load time (`pack`, oneDNN's blocked layout, CPU) takes the `onednn` backend; a plain fp32 / bf16 CPU weight takes the
-`native` C kernel for up to 16 rows (decode, verify chunks), and bf16 GEMMs of more rows run as fp32 (`upcast`) on
-CPUs without bf16 arithmetic; everything else runs the reference."""
+`native` backend: its C kernel for up to 16 rows of large fp32 weights and of bf16 ones (decode, verify chunks), and
+bf16 GEMMs of more rows as fp32 on CPUs without bf16 arithmetic; everything else runs the reference."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ dispatch.register("linear", dispatch.Backend("onednn", onednn.linear, available=
                                              supports=onednn.supports))
 dispatch.register("linear", dispatch.Backend("native", native.linear, available=native.available,
                                              supports=native.supports))
-dispatch.register("linear", dispatch.Backend("upcast", native.upcast_linear, available=native.upcast_available,
-                                             supports=native.upcast_supports))
 
 PLAIN_LINEARS = (F.linear, linear)
 """The linears that mean ``x W^T`` on plain weight tensors: MoE backends that run their own GEMMs (or C kernels) over

@@ -1,5 +1,5 @@
-"""Native CPU backend of `linear` for a few rows (`native.c`, built by `deltaserve.ops.native_backend`), and the
-`upcast` backend for bf16 GEMMs of more rows on CPUs without native bf16 arithmetic.
+"""Native CPU backend of `linear`: a C kernel for a few rows (`native.c`, built by `deltaserve.ops.native_backend`), and
+bf16 GEMMs of more rows as fp32 on CPUs without native bf16 arithmetic.
 
 Measured on one core of a 2-core AMD EPYC (AVX2, no AVX512), a [4096, 1024] weight read from memory: `F.linear`
 reads it at 18 GB/s for 1 fp32 row, 8.9 for 2 rows, 5.5 for 8 (each row costs another pass); bf16 runs at about 10
@@ -28,6 +28,11 @@ MAX_ROWS = 16
 """Most rows a call may have (MAX_ROWS in native.c): decode batches and verify chunks; more rows are compute-bound
 and go to the library's GEMM."""
 DTYPES = (torch.float32, torch.bfloat16)
+MIN_WEIGHT = 1 << 20
+"""Fewest weight elements the kernel takes in fp32 (and for one bf16 row): below that the weight stays in the CPU's
+caches between steps, where the library's GEMM is as fast and a C call's ~5-20 us overhead is not worth paying (the
+embedded model's [480, 160] projection at 8 rows: 28 us in `F.linear`, 47 us here). bf16 GEMMs of 2+ rows are taken at
+any size: the library runs them at about 10 GFLOPS."""
 
 
 def available() -> bool:
@@ -36,17 +41,39 @@ def available() -> bool:
 
 
 def supports(x: Tensor, weight: Tensor) -> bool:
-    """A plain contiguous CPU weight of `x`'s dtype (fp32 / bf16), inputs a multiple of 8, at most `MAX_ROWS` rows."""
-    if (x.device.type != "cpu" or weight.is_mkldnn or x.dtype not in DTYPES or weight.dtype != x.dtype
-            or weight.dim() != 2 or not weight.is_contiguous()):
+    """Called before every dense linear, so it fails fast on the common small fp32 weight. Takes CPU calls with a
+    plain weight of x's dtype: fp32 weights of at least `MIN_WEIGHT` elements under at most `MAX_ROWS` rows (inputs a
+    multiple of 8); bf16 weights under at most `MAX_ROWS` rows, and under any number where the CPU has no bf16 path
+    (`upcast_available`)."""
+    dtype = weight.dtype
+    if dtype is torch.float32:
+        return weight.numel() >= MIN_WEIGHT and _kernel_takes(x, weight)
+    if dtype is not torch.bfloat16 or x.dtype is not dtype or x.device.type != "cpu" or weight.is_mkldnn:
         return False
-    k = weight.shape[1]
-    return k % 8 == 0 and x.shape[-1] == k and 1 <= x.numel() // k <= MAX_ROWS
+    return upcast_available() or _kernel_takes(x, weight)
+
+
+def _kernel_takes(x: Tensor, weight: Tensor) -> bool:
+    """The C kernel computes this call: a plain contiguous CPU weight of x's dtype, at most `MAX_ROWS` rows of a
+    multiple of 8 inputs."""
+    k = weight.shape[-1]
+    return (x.dtype is weight.dtype and x.device.type == "cpu" and not weight.is_mkldnn and weight.dim() == 2
+            and weight.is_contiguous() and k % 8 == 0 and x.shape[-1] == k and 1 <= x.numel() // k <= MAX_ROWS)
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """Same contract as `ref.linear` (within its tolerance: the dot products sum in another order than the library's
-    GEMM); a row's bits do not depend on the other rows or the thread count."""
+    GEMM), for what `supports` takes: the C kernel where it computes the call (a row's bits then do not depend on the
+    other rows or the thread count), except one bf16 row of a small weight (the library's GEMV is as fast without the
+    call's overhead); bf16 otherwise as an fp32 GEMM (`upcast_linear`)."""
+    if _kernel_takes(x, weight) and (weight.dtype is torch.float32 or x.numel() > weight.shape[1]
+                                     or weight.numel() >= MIN_WEIGHT):
+        return kernel_linear(x, weight)
+    return upcast_linear(x, weight) if upcast_available() else F.linear(x, weight)
+
+
+def kernel_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x W^T`` by the C kernel (`_kernel_takes` must hold)."""
     kernel = _kernel()
     assert kernel is not None, "native linear kernel used where it is not available"
     n, k = weight.shape
@@ -64,12 +91,6 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
 def upcast_available() -> bool:
     """Whether bf16 GEMMs should run as fp32 here: a CPU whose oneDNN has no bf16 path (see `onednn.available`)."""
     return not onednn.available()
-
-
-def upcast_supports(x: Tensor, weight: Tensor) -> bool:
-    """A plain bf16 CPU weight and input."""
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and not weight.is_mkldnn)
 
 
 def upcast_linear(x: Tensor, weight: Tensor) -> Tensor:
