@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp")
 """`-fno-math-errno` lets expf/sqrtf inline (it changes no result); `-fopenmp` for the kernels that split work over
 threads (each unit of work is computed by one thread, so the thread count changes no result)."""
+HEADERS = Path(__file__).parent
+"""Where the kernels' shared headers are (`native_bf16.h`): on the include path, and part of every library's key."""
 
 
 def compiler() -> str | None:
@@ -79,7 +81,7 @@ def function(source: str, name: str, argtypes: list[Any]) -> Callable[..., int] 
 def _build(cc: str, source: Path) -> Path:
     """Compile into the cache (atomically: processes building the same library at once each write their own file and
     rename it into place) and return the library's path."""
-    code = source.read_bytes()
+    code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HEADERS.glob("*.h")))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join([code, " ".join(FLAGS).encode(), version.encode(), _cpu_flags()])).hexdigest()
     target = envs.native_cache_dir() / f"{source.parent.name}_{source.stem}-{key[:16]}.so"
@@ -89,8 +91,8 @@ def _build(cc: str, source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run([cc, *FLAGS, f"-I{HEADERS}", str(source), "-o", tmp, "-lm"], capture_output=True,
+                                text=True, timeout=300)
         if result.returncode != 0:
             raise OSError(f"{Path(cc).name} exited {result.returncode}: {result.stderr.strip()[-500:]}")
         os.replace(tmp, target)

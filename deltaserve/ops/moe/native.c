@@ -15,24 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_bf16.h"
+
 #define LANES 16
 #define MAX_TOP_K 64
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float round_bf16(float f) { /* round to nearest even, as torch's fp32 -> bf16 cast (NaN kept NaN) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 static inline float finish(float *acc) { /* the partial sums, in a fixed order (pairwise halving) */
     for (int width = LANES / 2; width > 0; width /= 2)
@@ -93,21 +79,21 @@ int moe_experts_silu(const void *x, const void *w13, const void *w2, const float
                                    : (const void *)((const float *)w2 + e * D * I);
             for (int64_t j = 0; j < 2 * I; j++) {
                 const float v = row_dot(we13, j, D, xt, bf16);
-                gu[j] = bf16 ? round_bf16(v) : v;
+                gu[j] = bf16 ? bf16_round(v) : v;
             }
             for (int64_t j = 0; j < I; j++) {
                 const float g = gu[j];
                 float s = g / (1.0f + expf(-g));
-                if (bf16) s = round_bf16(s);
+                if (bf16) s = bf16_round(s);
                 const float v = s * gu[I + j];
-                h[j] = bf16 ? round_bf16(v) : v;
+                h[j] = bf16 ? bf16_round(v) : v;
             }
             const float w = topk_w[p];
             for (int64_t j = 0; j < D; j++) {
                 float v = row_dot(we2, j, I, h, bf16);
-                if (bf16) v = round_bf16(v);
+                if (bf16) v = bf16_round(v);
                 v *= w; /* the weighted output in fp32, as the reference's promoted product */
-                y[j] = (bf16 && !fp32_combine) ? round_bf16(v) : v;
+                y[j] = (bf16 && !fp32_combine) ? bf16_round(v) : v;
             }
         }
     }
@@ -127,10 +113,10 @@ int moe_experts_silu(const void *x, const void *w13, const void *w2, const float
             float acc = 0.0f;
             for (int64_t a = 0; a < n; a++) {
                 acc += pair_out[(t * K + order[a]) * D + i];
-                if (bf16 && !fp32_combine) acc = round_bf16(acc);
+                if (bf16 && !fp32_combine) acc = bf16_round(acc);
             }
             if (bf16) {
-                const float r = round_bf16(acc);
+                const float r = bf16_round(acc);
                 uint32_t u;
                 memcpy(&u, &r, sizeof u);
                 ((uint16_t *)out)[t * D + i] = (uint16_t)(u >> 16);

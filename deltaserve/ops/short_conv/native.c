@@ -16,23 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native_bf16.h"
+
 #define MAX_WIDTH 16
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* x: [R, C] fp32; weight_t: [W, C] fp32 (the weight transposed: taps as rows); pool: [num_slots, C, W-1], fp32
  * (pool_bf16 = 0) or bf16 (1), contiguous; out: [R, C] fp32; weight_bf16: round as for a bf16 weight; silu: apply it. The x values must be exact in the pool's dtype (the
