@@ -130,8 +130,7 @@ static inline void prefetch_ahead(const void *w, int64_t t, int64_t k0, int64_t 
 int linear_rows(const float *x, const void *w, void *y, int64_t M, int64_t K, int64_t N, int bf16, int num_threads) {
     if (M < 1 || M > MAX_ROWS || K % 8 || N < 1) return -1;
     int64_t tiles = (N + OT - 1) / OT;
-    /* Inputs per block: a tile's rows are contiguous in memory, so whole rows make one sequential stream; blocks are
-     * for tiles too large for L1 that several row pairs pass over. */
+    /* inputs per block (see KB) */
     int64_t kb = (M <= 2 || OT * K * (bf16 ? 2 : 4) <= L1_TILE) ? K : KB;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && tiles > 1)
     for (int64_t t = 0; t < tiles; t++) {

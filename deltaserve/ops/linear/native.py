@@ -4,8 +4,8 @@ bf16 GEMMs of more rows as fp32 on CPUs without native bf16 arithmetic.
 Measured on one core of a 2-core AMD EPYC (AVX2, no AVX512), a [4096, 1024] weight read from memory: `F.linear`
 reads it at 18 GB/s for 1 fp32 row, 8.9 for 2 rows, 5.5 for 8 (each row costs another pass); bf16 runs at about 10
 GFLOPS whatever the row count (1 row 9.7 GB/s, 8 rows 1.1 GB/s, 2,048 rows 1.7 s against 0.21 s in fp32). The C
-kernel reads each weight tile once for all rows; the `upcast` backend runs a bf16 GEMM as fp32 (widened operands,
-fp32 accumulation, one rounding: the reference's math in another summation order).
+kernel reads each weight tile once for all rows; bf16 GEMMs it does not take run as fp32 (`upcast_linear`: widened
+operands, fp32 accumulation, one rounding: the reference's math in another summation order).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ SOURCE = Path(__file__).with_name("native.c")
 MAX_ROWS = 16
 """Most rows a call may have (MAX_ROWS in native.c): decode batches and verify chunks; more rows are compute-bound
 and go to the library's GEMM."""
-DTYPES = (torch.float32, torch.bfloat16)
 MIN_WEIGHT = 1 << 20
 """Fewest weight elements the kernel takes in fp32 (and for one bf16 row): below that the weight stays in the CPU's
 caches between steps, where the library's GEMM is as fast and a C call's ~5-20 us overhead is not worth paying (the
@@ -66,9 +65,9 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     GEMM), for what `supports` takes: the C kernel where it computes the call (a row's bits then do not depend on the
     other rows or the thread count), except one bf16 row of a small weight (the library's GEMV is as fast without the
     call's overhead); bf16 otherwise as an fp32 GEMM (`upcast_linear`)."""
-    if _kernel_takes(x, weight) and (weight.dtype is torch.float32 or x.numel() > weight.shape[1]
-                                     or weight.numel() >= MIN_WEIGHT):
-        return kernel_linear(x, weight)
+    if weight.dtype is torch.float32 or (_kernel_takes(x, weight) and (x.numel() > weight.shape[1]
+                                                                       or weight.numel() >= MIN_WEIGHT)):
+        return kernel_linear(x, weight)  # fp32: `supports` took it only for the kernel
     return upcast_linear(x, weight) if upcast_available() else F.linear(x, weight)
 
 
