@@ -60,6 +60,22 @@ def native_cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "deltaserve" / "native"
 
 
+def drafter_graphs() -> bool:
+    """`DELTASERVE_DRAFTER_GRAPHS=0` keeps the block drafter's forward eager on a CPU (`runner/drafter_graphs.py`);
+    on by default (`--enforce-eager` also turns it off)."""
+    return os.environ.get("DELTASERVE_DRAFTER_GRAPHS", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def compile_cache_dir() -> Path:
+    """`DELTASERVE_COMPILE_CACHE`: where ahead-of-time compiled graphs are kept between runs (default
+    `$XDG_CACHE_HOME/deltaserve/compiled`, or `~/.cache/deltaserve/compiled`)."""
+    value = os.environ.get("DELTASERVE_COMPILE_CACHE", "").strip()
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base) if base else Path.home() / ".cache") / "deltaserve" / "compiled"
+
+
 def cpu_decode_graphs() -> bool:
     """`DELTASERVE_CPU_DECODE_GRAPHS=1`: on a CPU, run pure-decode steps as a CUDA graph replay would, padded to the
     capture sizes on static buffers (`deltaserve.runner.cuda_graphs`), without capturing: the eager twin of a

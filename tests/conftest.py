@@ -21,6 +21,10 @@ from deltaserve.utils.hf_kimi import kimi_linear_for_causal_lm  # noqa: E402
 # gets this cache unless the test sizes it: the 2 GiB default, zeroed at start, cost the suite minutes and, with a
 # few engines alive at once, most of the CI machine's memory. Tiny checkpoints need a few MiB.
 os.environ.setdefault("DELTASERVE_CACHE_MEMORY", "256MiB")
+# The block drafter's compiled graphs (runner/drafter_graphs.py) would start compiling in the background of every
+# dspark engine: seconds of a CI core each, and drafts that change (within rounding) the moment a graph is ready.
+# tests/runner/test_drafter_graphs.py turns them on where it tests them.
+os.environ.setdefault("DELTASERVE_DRAFTER_GRAPHS", "0")
 # transformers' Kimi Linear, the parity oracle, imported before anything else can: with fla hidden, so that it runs
 # its own PyTorch KDA (with fla-core installed, the kernels extra, it would call fla's Triton kernels, which fail on a
 # CPU and would not be an independent oracle on a GPU).

@@ -244,7 +244,8 @@ class EngineConfig:
     """torch intra-op threads of the engine (default: torch's choice, one per core). On a small shared CPU host, 1
     can be much faster than oversubscribing the cores with the API process."""
     enforce_eager: bool = False
-    """Never capture CUDA graphs (vLLM's `--enforce-eager`); on a CPU every step is eager anyway."""
+    """Never capture CUDA graphs (vLLM's `--enforce-eager`) nor compile the dspark drafter's graphs on a CPU
+    (`runner/drafter_graphs.py`); the target's CPU steps are eager anyway."""
     cuda_graph_sizes: tuple[int, ...] | None = None
     """Decode batch sizes captured as CUDA graphs on a GPU (vLLM's `--cuda-graph-sizes`); a step of n sequences
     replays the smallest size >= n. None: 1, 2, 4 and every multiple of 8 up to max_num_seqs (at most 512)."""

@@ -191,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_graph_args(parser: argparse.ArgumentParser) -> None:
     """--enforce-eager and --cuda-graph-sizes (vLLM's names; `EngineConfig` documents them)."""
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="never capture CUDA graphs (on a CPU every step is eager: torch.compile measured slower "
-                             "than the hand-fused CPU ops, see docs/benchmarks.md)")
+                        help="never capture CUDA graphs nor compile the dspark drafter's CPU graphs (the target's "
+                             "CPU steps are eager anyway: torch.compile measured slower than the hand-fused CPU ops, "
+                             "see docs/benchmarks.md)")
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                         help="decode batch sizes captured as CUDA graphs on a GPU (default: 1 2 4 and every multiple "
                              "of 8 up to --max-num-seqs, at most 512)")

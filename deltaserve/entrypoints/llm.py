@@ -74,7 +74,7 @@ class LLM:
         seed: seed of the generator shared by unseeded sampling requests.
         structured_output_backend: "llguidance" (default) or "xgrammar", for `SamplingParams.structured`.
         num_threads: torch threads of the engine (`--num-threads`; default: sized from the CPU affinity).
-        enforce_eager: never capture CUDA graphs (`--enforce-eager`).
+        enforce_eager: never capture CUDA graphs nor compile the dspark drafter (`--enforce-eager`).
         cuda_graph_sizes: decode batch sizes captured as CUDA graphs on a GPU (`--cuda-graph-sizes`; default: 1, 2,
             4 and every multiple of 8 up to max_num_seqs, at most 512).
         max_seq_len_to_capture: longest sequence a decode graph covers; longer ones decode eagerly

@@ -132,7 +132,8 @@ class Worker:
             path = resolve_drafter_path(spec.model, self.config.model)
             self.runner.drafting = BlockDrafting(
                 load_drafter(path, dtype=getattr(torch, self.config.dtype), device=self.device), self.model,
-                sample_method=spec.draft_sample_method or "probabilistic", seed=self.config.seed)
+                sample_method=spec.draft_sample_method or "probabilistic", seed=self.config.seed,
+                compiled=(self.device.type == "cpu" and not self.config.enforce_eager and envs.drafter_graphs()))
             drafting = self.runner.drafting
             weights = sum(p.numel() * p.element_size() for p in drafting.drafter.parameters())
             logger.info("dspark block drafter %s: %d drafts per forward over %d target positions of layers %s; "

@@ -208,10 +208,11 @@ def request_bytes(cfg: DSparkConfig, element_size: int) -> int:
     return cfg.context_window * cfg.feature_size * element_size + cfg.block_size * cfg.vocab_size * 4
 
 
-def draft_logits(drafter: DSparkDrafter, features: torch.Tensor, valid: torch.Tensor, first_tokens: torch.Tensor,
-                 embed: Callable[[torch.Tensor], torch.Tensor], lm_head: Callable[[torch.Tensor], torch.Tensor],
-                 num_drafts: int | None = None) -> torch.Tensor:
-    """fp32 draft logits ``[B, num_drafts, vocab]`` through the target's embedding and LM head callables."""
+def draft_logits(drafter: Callable[..., torch.Tensor], features: torch.Tensor, valid: torch.Tensor,
+                 first_tokens: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor],
+                 lm_head: Callable[[torch.Tensor], torch.Tensor], num_drafts: int | None = None) -> torch.Tensor:
+    """fp32 draft logits ``[B, num_drafts, vocab]`` through the target's embedding and LM head callables; `drafter`
+    is a `DSparkDrafter` or anything called as one (its compiled graphs)."""
     hidden = drafter(features, valid, embed(first_tokens), num_drafts)
     b, n, d = hidden.shape
     return lm_head(hidden.reshape(b * n, d)).float().view(b, n, -1)

@@ -29,6 +29,7 @@ from deltaserve.models.dspark import DSparkDrafter, draft_logits, request_bytes
 from deltaserve.models.protocol import Model
 from deltaserve.ops import sampling as sampling_ops
 from deltaserve.runner.draft_distribution import draft_distribution, draft_seed
+from deltaserve.runner.drafter_graphs import DrafterGraphs
 from deltaserve.runner.feature_taps import FeatureTaps
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler.output import BlockDraft, SampledToken, ScheduledChunk, SchedulerOutput
@@ -69,8 +70,12 @@ class _Context:
 class BlockDrafting:
     """Per-request feature windows and the drafter's forward, inside a `ModelRunner`."""
 
-    def __init__(self, drafter: DSparkDrafter, model: Model, *, sample_method: str, seed: int) -> None:
+    def __init__(self, drafter: DSparkDrafter, model: Model, *, sample_method: str, seed: int,
+                 compiled: bool = False) -> None:
+        """`compiled`: run the drafter's forward through `DrafterGraphs` (a CPU: compiled per batch bucket in the
+        background, eager until then)."""
         self.drafter, self.model, self.sample_method = drafter, model, sample_method
+        self.forward: DSparkDrafter | DrafterGraphs = DrafterGraphs(drafter) if compiled else drafter
         cfg = drafter.config
         self.window, self.block_size, self.feature_size = cfg.context_window, cfg.block_size, cfg.feature_size
         self.taps = FeatureTaps(model, cfg.tap_layers)
@@ -141,7 +146,7 @@ class BlockDrafting:
             [self.window - c.num_valid for c in contexts], device=self.device)[:, None]
         first = torch.tensor([sampled[rid][-1].token_id for rid, _ in rows], device=self.device)
         model = self.model
-        logits = draft_logits(self.drafter, features, valid, first, model.embed, model.compute_logits)  # [B, k, V]
+        logits = draft_logits(self.forward, features, valid, first, model.embed, model.compute_logits)  # [B, k, V]
         k = self.block_size
         tokens = torch.empty(len(rows), k, dtype=torch.long, device=self.device)
         conf = torch.empty(len(rows), k, device=self.device)
@@ -187,7 +192,7 @@ class BlockDrafting:
         valid = torch.ones(num_seqs, self.window, dtype=torch.bool, device=self.device)
         first = torch.zeros(num_seqs, dtype=torch.long, device=self.device)
         start = time.perf_counter()
-        logits = draft_logits(self.drafter, features, valid, first, self.model.embed, self.model.compute_logits)
+        logits = draft_logits(self.forward, features, valid, first, self.model.embed, self.model.compute_logits)
         logits.argmax(dim=-1).tolist()  # waits for the device
         return time.perf_counter() - start
 

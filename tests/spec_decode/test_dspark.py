@@ -9,6 +9,8 @@ test_spec_identity.py), with adaptive verification on and off.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from deltaserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from deltaserve.engine.engine_core import EngineCore
 from deltaserve.models.dspark import DSparkConfig, DSparkDrafter, load_drafter, resolve_drafter_path
 from deltaserve.models.loader import load_model
+from deltaserve.runner.drafter_graphs import DrafterGraphs
 from deltaserve.runner.feature_taps import FeatureTaps
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.spec_decode.adaptive import AdaptiveVerifier
@@ -251,5 +254,44 @@ def test_adaptive_decisions_change_no_output(base, fitted_drafter, verify_factor
     else:
         assert stats.spec_adaptive_verified_positions == 0 and stats.spec_num_draft_tokens == 0
         assert stats.spec_adaptive_draft_off_steps > 0
+    assert_all_free(core)
+    core.shutdown()
+
+
+# -- compiled drafter graphs -------------------------------------------------------------------------------------
+
+
+def test_requests_run_while_drafter_graphs_compile_then_use_them(base, fitted_drafter, tmp_path):
+    """The compile of the drafter's graphs runs beside the engine: a whole batch completes while it is held (the
+    compile waits on an event the test sets only afterwards), then, once the graphs are in, steps draft through them;
+    greedy outputs equal plain decoding's before and after."""
+    plain = plain_run(base, "float32")
+    config = _replace_spec(engine_config(base), SpeculativeConfig(
+        method="dspark", num_speculative_tokens=K, model=fitted_drafter, enable_adaptive_verification=False))
+    core = EngineCore(config)
+    drafting = core.executor.worker.runner.drafting  # type: ignore[attr-defined]
+    release, calls = threading.Event(), Counter()
+
+    def held_compile(_drafter, _batch: int, path: Path) -> None:
+        if not release.wait(timeout=120):
+            raise TimeoutError("the test never released the compile")
+        path.write_bytes(b"graph")
+
+    def load(_path: Path):
+        def graph(features, valid, first_embeds):  # the eager drafter, counted: a stand-in for the compiled graph
+            calls[features.shape[0]] += 1
+            return drafting.drafter(features, valid, first_embeds)
+        return graph
+
+    graphs = DrafterGraphs(drafting.drafter, cache_dir=tmp_path, compile_fn=held_compile, load_fn=load)
+    drafting.forward = graphs
+    assert run(core, requests(base)).tokens == plain.tokens  # every step while the compile is held
+    jobs = [job for b in (1, 2, 4, 8) if (job := graphs.job(b)) is not None]
+    assert jobs and not calls and not any(job.done() for job in jobs)
+    release.set()
+    for job in jobs:
+        job.result(timeout=120)
+    again = run(core, requests(base))
+    assert again.tokens == plain.tokens and sum(calls.values()) > 0 and graphs.enabled
     assert_all_free(core)
     core.shutdown()
