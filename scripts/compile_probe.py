@@ -1,6 +1,8 @@
 """torch.compile (inductor, CPU) against eager on two decode-step ops at batch 1, one thread: the measurement behind
 running the CPU decode eagerly (docs/benchmarks.md, "CPU fast path"); and on the embedded model's block drafter's
-whole forward (one block at batch 1), where fusing ~45 small ops pays. Prints microseconds per call and compile time.
+whole forward (one block at batch 1), where fusing ~45 small ops pays. Then the drafter's ahead-of-time graphs as the
+engine runs them (`DrafterGraphs`, one per batch bucket, compiled or loaded from the compile cache) against eager at
+batch 1-16. Prints microseconds per call and compile time.
 
 Usage: python scripts/compile_probe.py
 """
@@ -15,6 +17,7 @@ from deltaserve.default_model import DSPARK_PATH
 from deltaserve.models.dspark import load_drafter
 from deltaserve.ops.kda import ref
 from deltaserve.ops.norm import ref_rms_norm
+from deltaserve.runner.drafter_graphs import DrafterGraphs
 
 
 def per_call_us(fn, n: int = 200) -> float:
@@ -49,6 +52,19 @@ def main() -> None:
         compile_s = time.perf_counter() - start
         fast = per_call_us(lambda compiled=compiled, args=args: compiled(*args))
         print(f"{name}: eager {eager:.1f} us, compiled {fast:.1f} us per call (compile {compile_s:.1f} s)", flush=True)
+    graphs = DrafterGraphs(drafter)
+    for batch in (1, 2, 4, 8, 16):
+        args = (torch.randn(batch, cfg.context_window, cfg.feature_size),
+                torch.ones(batch, cfg.context_window, dtype=torch.bool), torch.randn(batch, cfg.hidden_size))
+        start = time.perf_counter()
+        graphs(*args)
+        if (job := graphs.job(batch)) is not None:
+            job.result()
+        ready_s = time.perf_counter() - start
+        assert graphs.ready(batch), "the graph failed (see the log)"
+        eager, fast = per_call_us(lambda args=args: drafter(*args)), per_call_us(lambda args=args: graphs(*args))
+        print(f"dspark drafter graph, batch {batch}: eager {eager:.1f} us, graph {fast:.1f} us per call "
+              f"({eager / fast:.2f}x; ready in {ready_s:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ def code_prompts(n: int, seed: int, tokenizer: Tokenizer) -> list[list[int]]:
 
 
 def generate(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    llm = LLM(model=str(model_dir), max_num_seqs=64, enable_prefix_caching=False)
+    # The engine sizes the process's torch threads (default: every core); keep --threads for the training after it.
+    llm = LLM(model=str(model_dir), max_num_seqs=64, enable_prefix_caching=False, num_threads=torch.get_num_threads())
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     out = []
     for i in range(0, len(prompts), 256):
