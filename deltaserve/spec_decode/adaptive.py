@@ -136,6 +136,7 @@ class AdaptiveVerifier:
         self._idle_steps = 0
         """Consecutive `choose` calls that verified nothing."""
         self._curves: dict[tuple[int, int], CostCurve] = {}
+        self._step_seconds: dict[tuple[int, int, int, int], npt.NDArray[np.float64]] = {}
         self._plain_ema: float | None = None
         """Real / predicted seconds of steps that verified nothing (None: none seen yet)."""
         self._verify_ema: float | None = None
@@ -207,18 +208,19 @@ class AdaptiveVerifier:
             return []
         raw, mask = self._padded(confidences)
         calibrated = self._calibrated(raw)
-        counts = mask.sum(axis=0)
-        for j in np.nonzero(counts)[0]:
-            self._offered_ema[j] = _ema(self._offered_ema[j], float(calibrated[mask[:, j], j].mean()), self._weight)
+        counts = mask.sum(axis=0).tolist()
+        for j, (total, count) in enumerate(zip(calibrated.sum(axis=0).tolist(), counts, strict=True)):  # 0 past drafts
+            if count:
+                self._offered_ema[j] = _ema(self._offered_ema[j], total / count, self._weight)
         gains = np.cumprod(calibrated, axis=1)[mask]  # marginal gain of each real draft, request-major
         requests, positions = np.nonzero(mask)
         # Best first; ties: earlier positions first (keeps prefixes), then spread across requests.
         order = np.lexsort((requests, positions, -gains))
         num_seqs = num_spec + num_other_seqs
-        curve = self._curve(num_seqs, round(sum(context_lens) / num_spec))
         overhead = self.cost_model.predict_draft(num_spec) if drafting else 0.0
         base_query_tokens = num_spec + num_other_tokens
-        seconds = self._corrected(curve.many(base_query_tokens + np.arange(gains.size + 1)) + overhead)
+        seconds = self._corrected(self._seconds(num_seqs, round(sum(context_lens) / num_spec), base_query_tokens,
+                                                gains.size) + overhead)
         total, rate = scan_totals(gains[order], seconds, base_tokens=base_query_tokens)
         if total and rate < VERIFY_MARGIN * base_query_tokens / seconds[0]:
             total = 0
@@ -251,10 +253,8 @@ class AdaptiveVerifier:
             return True
         # Every request's position j before any position j + 1 (all requests alike).
         gains = np.repeat(np.cumprod(_clamp01(np.asarray(rates, dtype=np.float64))), num_seqs)
-        batch = num_seqs + num_other_seqs
-        curve = self._curve(batch, context_len)
-        seconds = curve.many(num_seqs + num_other_tokens + np.arange(gains.size + 1))
         base = num_seqs + num_other_tokens
+        seconds = self._seconds(num_seqs + num_other_seqs, context_len, base, gains.size)
         plain_rate = base / (seconds[0] * self._plain_ratio)
         drafting = self._corrected(seconds + self.cost_model.predict_draft(num_seqs))
         _, best_rate = scan_totals(gains, drafting, base_tokens=base)
@@ -278,6 +278,20 @@ class AdaptiveVerifier:
                 self._curves.clear()
             curve = self._curves[key] = self.cost_model.cost_curve(num_seqs, key[1] * CONTEXT_BUCKET)
         return curve
+
+    def _seconds(self, num_seqs: int, context_len: int, base_tokens: int, num_drafts: int
+                 ) -> npt.NDArray[np.float64]:
+        """Predicted step seconds with `base_tokens` + 0, 1, ..., `num_drafts` query tokens (`_curve`'s step),
+        cached like the curves: in a steady state every step asks the same question (a read-only array)."""
+        key = (num_seqs, context_len // CONTEXT_BUCKET, base_tokens, num_drafts)
+        seconds = self._step_seconds.get(key)
+        if seconds is None:
+            if len(self._step_seconds) >= 4096:
+                self._step_seconds.clear()
+            seconds = self._curve(num_seqs, context_len).many(base_tokens + np.arange(num_drafts + 1))
+            seconds.flags.writeable = False
+            self._step_seconds[key] = seconds
+        return seconds
 
     def _corrected(self, seconds: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """Predicted step seconds for 0, 1, 2, ... verified drafts, corrected by what real steps took: the plain
