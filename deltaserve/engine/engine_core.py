@@ -163,7 +163,8 @@ class EngineCore:
         long_ctx = min(1024, self.max_model_len - k - 1, usage.num_blocks * block_size - k - 1)
         contexts = sorted({min(64, long_ctx), long_ctx})
         batch = [b for b in batch if b * (k + 1) <= sc.max_num_batched_tokens] or [1]
-        self.executor.time_step(batch[-1], k + 1, contexts[-1])  # warm-up: first calls allocate
+        for q in (1, k + 1):  # warm-up: first calls allocate (and load the decode and verify kernels)
+            self.executor.time_step(batch[-1], q, contexts[-1])
         model = measure_cost_model(lambda b, t, c: self.executor.time_step(b, t // b, c), batch_sizes=batch,
                                    query_lens=sorted({1, 2, min(4, k + 1), k + 1}), context_lens=contexts,
                                    time_draft=self.executor.time_draft)

@@ -303,7 +303,10 @@ class AdaptiveVerifier:
                      num_drafting: int = 0, verified: bool = False) -> None:
         """One real step of `num_seqs` rows and `num_tokens` query tokens took `seconds` (everything the engine did
         in it): the cost model measured at start-up times only the forward, so the ratio of real to predicted time
-        (an EMA, clamped to [1/4, 8]) corrects it, separately for steps that verified drafts and for the others.
+        (an EMA, clamped to [1/4, 8]) corrects it, separately for steps that verified drafts and for the others. Each
+        EMA starts from 1 (the start-up model), not from its first observation: a process's first verifying step
+        pays one-time costs, and a ratio set to the cap by it stayed there (the verifier then offered one position,
+        whose predicted extra time was nil, so no later step could correct it).
         `num_drafting`: requests the workers drafted for after the step (their drafter time is in `seconds`)."""
         if num_seqs <= 0 or seconds <= 0 or not self.correct_with_step_times:
             return
@@ -311,14 +314,14 @@ class AdaptiveVerifier:
         predicted, plain = curve(num_tokens), curve(num_seqs)
         draft = self.cost_model.predict_draft(num_drafting) if num_drafting else 0.0
         if not verified:
-            self._plain_ema = _ema(self._plain_ema, min(max(seconds / (predicted + draft), 0.25), 8.0), self._weight)
+            self._plain_ema = _ema(self._plain_ratio, min(max(seconds / (predicted + draft), 0.25), 8.0), self._weight)
             return
         # The step's plain part at the plain ratio and the drafter as predicted, as `_corrected` prices a choice;
         # what is left is the verification's (its extra tokens' share of the forward, scaled by this ratio).
         base = plain * self._plain_ratio + draft
         extra = predicted - plain
         if extra > 0:
-            self._verify_ema = _ema(self._verify_ema, min(max((seconds - base) / extra, 0.25), 8.0), self._weight)
+            self._verify_ema = _ema(self._verify_ratio, min(max((seconds - base) / extra, 0.25), 8.0), self._weight)
 
     @property
     def _plain_ratio(self) -> float:

@@ -223,7 +223,10 @@ def measure_cost_model(
     time_draft: Callable[[int], float] | None = None,
     repeats: int = 3,
 ) -> StepCostModel:
-    """Times every grid point and returns the model (raw medians; no smoothing).
+    """Times every grid point and returns the model: per point the median of `repeats` calls, then each point capped
+    by the cheapest point of more query tokens at its batch size and context (a step of more tokens never costs
+    less, and timing noise only adds time: a first point slowed by the machine would otherwise make verification
+    look free next to it, which the corrections from real steps then inflate to their cap; seen on 2026-12-07).
 
     Args:
         time_step: ``time_step(num_seqs, num_tokens, context_len) -> seconds`` runs one target step (the engine's
@@ -241,6 +244,14 @@ def measure_cost_model(
     def median(fn: Callable[..., float], *args: int) -> float:
         return statistics.median(fn(*args) for _ in range(repeats))
 
-    seconds = tuple(tuple(tuple(median(time_step, b, b * q, c) for q in qlens) for b in batch) for c in ctxs)
+    seconds = tuple(tuple(_suffix_min([median(time_step, b, b * q, c) for q in qlens]) for b in batch) for c in ctxs)
     draft = tuple(median(time_draft, b) if time_draft is not None else 0.0 for b in batch)
     return StepCostModel(batch_sizes=batch, query_lens=qlens, context_lens=ctxs, seconds=seconds, draft_seconds=draft)
+
+
+def _suffix_min(values: list[float]) -> tuple[float, ...]:
+    """Each value capped by every value after it (non-decreasing)."""
+    out = list(values)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return tuple(out)
