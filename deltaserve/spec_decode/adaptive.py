@@ -50,6 +50,21 @@ def scan_totals(
     return best, float(rates[best])
 
 
+VERIFY_RIDGE = 0.25
+"""`_affine_fit` keeps the verification ratio near 1 unless the verified extra times seen spread by more than about
+this share of their mean: steps that all verify alike cannot tell a fixed cost from a per-token one."""
+
+
+def _affine_fit(ex: float, ey: float, exx: float, exy: float) -> tuple[float, float]:
+    """(fixed, ratio) of y = fixed + ratio * x from the moments E[x], E[y], E[x x], E[x y]: least squares with a
+    ridge pulling the ratio towards 1 (`VERIFY_RIDGE`); ratio clamped to [1/4, 8], fixed to >= 0."""
+    var, cov = max(exx - ex * ex, 0.0), exy - ex * ey
+    ridge = (VERIFY_RIDGE * ex) ** 2
+    ratio = (cov + ridge) / (var + ridge) if var + ridge > 0.0 else 1.0
+    ratio = min(max(ratio, 0.25), 8.0)
+    return max(ey - ratio * ex, 0.0), ratio
+
+
 def _clamp01(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """`values` clamped to [0, 1]; NaN reads as 0 (no confidence)."""
     return np.where(values >= 0.0, np.minimum(values, 1.0), 0.0)
@@ -90,6 +105,11 @@ IDLE_STEPS = 16
 """Consecutive steps whose drafts were all refused after which drafting pauses (see `should_draft`)."""
 PROBE_INTERVAL = 8
 """While paused, one step in this many drafts again, to see whether its drafts now pay."""
+EXPLORE_MARGIN = 0.85
+"""Where drafting is judged not to pay but its best expected rate is within this factor of plain decoding's (the
+judgement is close, and rests on acceptance rates that stop being observed once drafting is off), one step in
+`EXPLORE_INTERVAL` drafts anyway; further below, never (at high load a drafting step costs the most)."""
+EXPLORE_INTERVAL = 32
 
 
 class AdaptiveVerifier:
@@ -139,8 +159,11 @@ class AdaptiveVerifier:
         self._step_seconds: dict[tuple[int, int, int, int], npt.NDArray[np.float64]] = {}
         self._plain_ema: float | None = None
         """Real / predicted seconds of steps that verified nothing (None: none seen yet)."""
-        self._verify_ema: float | None = None
-        """Real / predicted seconds of the verification part of steps that verified drafts."""
+        self._verify_moments: tuple[float, float, float, float] | None = None
+        """EMAs of x, y, x * x and x * y over verifying steps (x: the predicted extra seconds of the tokens verified,
+        y: what the step took beyond its plain part and the drafter); None until one is seen."""
+        self._verify_fit = (0.0, 1.0)
+        """(fixed seconds, ratio): a verifying step costs its plain part + fixed + ratio * x (`_affine_fit`)."""
         self._since_probe = 0
 
     @property
@@ -244,6 +267,9 @@ class AdaptiveVerifier:
 
         And drafting whose drafts `choose` keeps refusing is wasted: after IDLE_STEPS consecutive choices of nothing,
         drafting is off except for one probe step every PROBE_INTERVAL calls (a verified position ends the pause).
+        Where drafting is judged not to pay by a small margin (`EXPLORE_MARGIN`), one step in EXPLORE_INTERVAL drafts
+        anyway, so that acceptance rates estimated from a few early steps can be corrected (2026-12-07: code edits at
+        batch 1 turned drafting off for good after 10 steps whose position-2 rate was half the long-run one).
         """
         _check_other_rows(num_other_seqs, num_other_tokens)
         if num_seqs <= 0:
@@ -260,9 +286,11 @@ class AdaptiveVerifier:
         _, best_rate = scan_totals(gains, drafting, base_tokens=base)
         if best_rate > DRAFT_MARGIN * plain_rate and self._idle_steps < IDLE_STEPS:
             return True
-        if best_rate > DRAFT_MARGIN * plain_rate:
+        interval = (PROBE_INTERVAL if best_rate > DRAFT_MARGIN * plain_rate
+                    else EXPLORE_INTERVAL if best_rate > EXPLORE_MARGIN * plain_rate else 0)
+        if interval:
             self._since_probe += 1
-            if self._since_probe >= PROBE_INTERVAL:
+            if self._since_probe >= interval:
                 self._since_probe = 0
                 return True
         self.stats.num_draft_off_steps += 1
@@ -295,18 +323,23 @@ class AdaptiveVerifier:
 
     def _corrected(self, seconds: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """Predicted step seconds for 0, 1, 2, ... verified drafts, corrected by what real steps took: the plain
-        part by the plain steps' ratio, the verification part by the verifying steps' ratio."""
+        part by the plain steps' ratio; verifying anything adds the fixed cost of a verifying step, and the tokens'
+        share of the forward is scaled by the verification ratio."""
         plain = seconds[0] * self._plain_ratio
-        return np.concatenate([[plain], plain + (seconds[1:] - seconds[0]) * self._verify_ratio])
+        fixed, ratio = self._verify_fit
+        return np.concatenate([[plain], plain + fixed + (seconds[1:] - seconds[0]) * ratio])
 
     def observe_step(self, num_seqs: int, num_tokens: int, context_len: int, seconds: float, *,
                      num_drafting: int = 0, verified: bool = False) -> None:
         """One real step of `num_seqs` rows and `num_tokens` query tokens took `seconds` (everything the engine did
-        in it): the cost model measured at start-up times only the forward, so the ratio of real to predicted time
-        (an EMA, clamped to [1/4, 8]) corrects it, separately for steps that verified drafts and for the others. Each
-        EMA starts from 1 (the start-up model), not from its first observation: a process's first verifying step
-        pays one-time costs, and a ratio set to the cap by it stayed there (the verifier then offered one position,
-        whose predicted extra time was nil, so no later step could correct it).
+        in it): the cost model measured at start-up times only the forward, so what real steps take corrects it.
+        Plain steps: the ratio of real to predicted time (an EMA, clamped to [1/4, 8]). Verifying steps: their time
+        beyond the plain part and the drafter, y, against the predicted extra time of the tokens verified, x, fitted
+        as y = fixed + ratio * x (`_affine_fit`): a verifying step pays a fixed cost (verification sampling, kept
+        draft distributions, bookkeeping) whatever it verifies, which a ratio alone charged to the tokens and so
+        over-priced long verifications after short ones. Both start from the start-up model (ratio 1, no fixed
+        cost), not from their first observation: a process's first verifying step pays one-time costs (2026-12-07:
+        a ratio set to its cap by it stayed there for the whole run).
         `num_drafting`: requests the workers drafted for after the step (their drafter time is in `seconds`)."""
         if num_seqs <= 0 or seconds <= 0 or not self.correct_with_step_times:
             return
@@ -317,24 +350,29 @@ class AdaptiveVerifier:
             self._plain_ema = _ema(self._plain_ratio, min(max(seconds / (predicted + draft), 0.25), 8.0), self._weight)
             return
         # The step's plain part at the plain ratio and the drafter as predicted, as `_corrected` prices a choice;
-        # what is left is the verification's (its extra tokens' share of the forward, scaled by this ratio).
+        # what is left is the verification's. One observation counts at most 8x the step's predicted time.
         base = plain * self._plain_ratio + draft
-        extra = predicted - plain
-        if extra > 0:
-            self._verify_ema = _ema(self._verify_ratio, min(max((seconds - base) / extra, 0.25), 8.0), self._weight)
+        x = max(predicted - plain, 0.0)
+        y = min(max(seconds - base, 0.0), 8.0 * (base + x))
+        prior = self._verify_moments or (x, x, x * x, x * x)  # the start-up model: y = x at this step's size
+        w = self._weight
+        self._verify_moments = moments = tuple(  # type: ignore[assignment]
+            (1.0 - w) * old + w * new for old, new in zip(prior, (x, y, x * x, x * y), strict=True))
+        self._verify_fit = _affine_fit(*moments)
 
     @property
     def _plain_ratio(self) -> float:
         return 1.0 if self._plain_ema is None else self._plain_ema
 
     @property
-    def _verify_ratio(self) -> float:
-        return 1.0 if self._verify_ema is None else self._verify_ema
-
-    @property
     def cost_corrections(self) -> tuple[float, float]:
         """(plain, verification) ratios of real to predicted step time (1.0 until steps of each kind are seen)."""
-        return self._plain_ratio, self._verify_ratio
+        return self._plain_ratio, self._verify_fit[1]
+
+    @property
+    def verify_overhead(self) -> float:
+        """Seconds a verifying step costs beyond its plain part, drafter and tokens (0 until one is seen)."""
+        return self._verify_fit[0]
 
     def observe(self, offered: Sequence[int], accepted: Sequence[int], confidences: Sequence[Sequence[float]]) -> None:
         """One verified step: request r verified `offered[r]` drafts (its m_r), of which the first `accepted[r]` were
