@@ -5,6 +5,7 @@ since it only shortens the proposals offered to verification."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,6 +111,9 @@ EXPLORE_MARGIN = 0.85
 judgement is close, and rests on acceptance rates that stop being observed once drafting is off), one step in
 `EXPLORE_INTERVAL` drafts anyway; further below, never (at high load a drafting step costs the most)."""
 EXPLORE_INTERVAL = 32
+PROBE_BUDGET = 0.01
+"""Probing and exploring steps are spaced so that their drafter forwards cost at most this share of the time of
+plain steps (2026-12-07: at batch 16, probes every 8 steps of drafts `choose` then refused cost 5%)."""
 
 
 class AdaptiveVerifier:
@@ -269,7 +273,8 @@ class AdaptiveVerifier:
         drafting is off except for one probe step every PROBE_INTERVAL calls (a verified position ends the pause).
         Where drafting is judged not to pay by a small margin (`EXPLORE_MARGIN`), one step in EXPLORE_INTERVAL drafts
         anyway, so that acceptance rates estimated from a few early steps can be corrected (2026-12-07: code edits at
-        batch 1 turned drafting off for good after 10 steps whose position-2 rate was half the long-run one).
+        batch 1 turned drafting off for good after 10 steps whose position-2 rate was half the long-run one). Both
+        intervals stretch where the drafter's forward is dear next to a plain step (`PROBE_BUDGET`).
         """
         _check_other_rows(num_other_seqs, num_other_tokens)
         if num_seqs <= 0:
@@ -282,13 +287,15 @@ class AdaptiveVerifier:
         base = num_seqs + num_other_tokens
         seconds = self._seconds(num_seqs + num_other_seqs, context_len, base, gains.size)
         plain_rate = base / (seconds[0] * self._plain_ratio)
-        drafting = self._corrected(seconds + self.cost_model.predict_draft(num_seqs))
+        draft = self.cost_model.predict_draft(num_seqs)
+        drafting = self._corrected(seconds + draft)
         _, best_rate = scan_totals(gains, drafting, base_tokens=base)
         if best_rate > DRAFT_MARGIN * plain_rate and self._idle_steps < IDLE_STEPS:
             return True
         interval = (PROBE_INTERVAL if best_rate > DRAFT_MARGIN * plain_rate
                     else EXPLORE_INTERVAL if best_rate > EXPLORE_MARGIN * plain_rate else 0)
-        if interval:
+        if interval:  # and rarer where a drafter forward is dear next to a step: probes cost <= PROBE_BUDGET
+            interval = max(interval, math.ceil(draft / (PROBE_BUDGET * base / plain_rate)))
             self._since_probe += 1
             if self._since_probe >= interval:
                 self._since_probe = 0
@@ -343,8 +350,8 @@ class AdaptiveVerifier:
         `num_drafting`: requests the workers drafted for after the step (their drafter time is in `seconds`)."""
         if num_seqs <= 0 or seconds <= 0 or not self.correct_with_step_times:
             return
-        curve = self._curve(num_seqs, context_len)
-        predicted, plain = curve(num_tokens), curve(num_seqs)
+        seconds_by_tokens = self._seconds(num_seqs, context_len, num_seqs, max(num_tokens - num_seqs, 0))
+        predicted, plain = float(seconds_by_tokens[-1]), float(seconds_by_tokens[0])
         draft = self.cost_model.predict_draft(num_drafting) if num_drafting else 0.0
         if not verified:
             self._plain_ema = _ema(self._plain_ratio, min(max(seconds / (predicted + draft), 0.25), 8.0), self._weight)
