@@ -111,6 +111,7 @@ EXPLORE_MARGIN = 0.85
 judgement is close, and rests on acceptance rates that stop being observed once drafting is off), one step in
 `EXPLORE_INTERVAL` drafts anyway; further below, never (at high load a drafting step costs the most)."""
 EXPLORE_INTERVAL = 32
+"""Where drafting falls short by less than `EXPLORE_MARGIN`, one step in this many drafts (at least: `PROBE_BUDGET`)."""
 PROBE_BUDGET = 0.01
 """Probing and exploring steps are spaced so that their drafter forwards cost at most this share of the time of
 plain steps (2026-12-07: at batch 16, probes every 8 steps of drafts `choose` then refused cost 5%)."""

@@ -30,8 +30,8 @@ and go to the library's GEMM."""
 MIN_WEIGHT = 1 << 20
 """Fewest weight elements the kernel takes in fp32 (and for one bf16 row): below that the weight stays in the CPU's
 caches between steps, where the library's GEMM is as fast and a C call's ~5-20 us overhead is not worth paying (the
-embedded model's [480, 160] projection at 8 rows: 28 us in `F.linear`, 47 us here). bf16 GEMMs of 2+ rows are taken at
-any size: the library runs them at about 10 GFLOPS."""
+embedded model's [480, 160] projection at 8 rows: 28 us in `F.linear`, 47 us here). On CPUs without a bf16 path, bf16
+GEMMs of 2+ rows are taken at any size: the library runs them at about 10 GFLOPS there."""
 
 
 def available() -> bool:
@@ -42,14 +42,16 @@ def available() -> bool:
 def supports(x: Tensor, weight: Tensor) -> bool:
     """Called before every dense linear, so it fails fast on the common small fp32 weight. Takes CPU calls with a
     plain weight of x's dtype: fp32 weights of at least `MIN_WEIGHT` elements under at most `MAX_ROWS` rows (inputs a
-    multiple of 8); bf16 weights under at most `MAX_ROWS` rows, and under any number where the CPU has no bf16 path
-    (`upcast_available`)."""
+    multiple of 8); bf16 weights only where the CPU has no bf16 path (`upcast_available`: AVX2 without AVX512-BF16),
+    under any number of rows. Where it has one, oneDNN's bf16 GEMM is fast and is what packed weights run
+    (`onednn.py`): a plain bf16 weight then takes the library too, so packing changes no bit (2026-12-07: on an
+    AVX512-BF16 Xeon the kernel's other summation order made a packed model's logits differ from the plain one's)."""
     dtype = weight.dtype
     if dtype is torch.float32:
         return weight.numel() >= MIN_WEIGHT and _kernel_takes(x, weight)
     if dtype is not torch.bfloat16 or x.dtype is not dtype or x.device.type != "cpu" or weight.is_mkldnn:
         return False
-    return upcast_available() or _kernel_takes(x, weight)
+    return upcast_available()
 
 
 def _kernel_takes(x: Tensor, weight: Tensor) -> bool:
