@@ -5,6 +5,7 @@ gives the greedy tokens of one engine, with requests on one replica only (the ot
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -46,6 +47,9 @@ def _rank(rank: int, world: int, tp: int, port: int, path: str, out: str) -> Non
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump((errors, sizes), f)
     torch.distributed.destroy_process_group()
+    # Its results are on disk: skip the interpreter's teardown, where gloo's threads still aborted a rank now and
+    # then after destroy_process_group ("terminate called without an active exception", exit status -6).
+    os._exit(0)
 
 
 @pytest.mark.parametrize(("variant", "world", "tp"), [
