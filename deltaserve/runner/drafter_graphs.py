@@ -2,7 +2,7 @@
 bucket, compiled off the request path.
 
 Why: the drafter's forward is ~45 small ops, and on a CPU the time between them (Python, dispatch) is as large as the
-ops; compiled into one C++ graph it runs about twice as fast (docs/benchmarks.md, "The drafter's forward compiled").
+ops; compiled into one C++ graph it runs 1.3-1.8x as fast (docs/benchmarks.md, "The drafter's graphs adopted").
 
 How, without stalling a request: a batch whose bucket has no graph yet runs eagerly, and the bucket's graph is
 compiled by one background thread from a copy of the drafter (export re-parametrises the module it traces, which
