@@ -176,9 +176,13 @@ class ProposerHook:
         return out
 
     def after_schedule(self, out: SchedulerOutput) -> SchedulerOutput:
-        """Attach the draft distributions of the verified proposals that were drawn from one; with a verifier, say
-        whether the workers draft for the next step."""
-        if self.verifier is not None:
+        """Attach the draft distributions of the verified proposals that were drawn from one; say whether the
+        workers draft for the next step: not while `disable_by_batch_size` stops proposals (its drafts would never
+        be offered), and with a verifier only while drafting can win."""
+        limit = self.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) >= limit:
+            out = replace(out, propose_drafts=False)
+        elif self.verifier is not None:
             sampling = [c for c in out.chunks if c.sample]
             if sampling:
                 others = [c for c in out.chunks if not c.sample]

@@ -8,6 +8,13 @@ sampling, one batched drafter forward proposes the next block of every sampled r
 last sampled token: the drafts go back to the engine (`RunnerOutput.drafts`) with their confidences, and the
 distributions sampled drafts were drawn from stay here, to verify them in the next step (`with_kept_probs`).
 
+Windows are folded lazily: a step only keeps its taps and what says which rows each request committed
+(`_StepFeatures`), folded into the windows when a step drafts. While the adaptive verifier keeps drafting off (high
+load), a step so costs a few list appends instead of a tensor copy per request (2026-12-07: the per-request window
+updates were ~4% of a batch-16 step that drafted nothing). Only the last `context_window` steps are kept: a request
+decoding in each of them has its whole window there, and one that was not (a record dropped) restarts its window
+from what is left, which changes drafts, never outputs.
+
 Draft sampling: greedy requests, or every request with `draft_sample_method="greedy"`, get the drafter's argmax at
 each row; otherwise row j is drawn from q_j = the drafter's distribution with the request's temperature and top-k /
 top-p / min-p, by the request's own draft generator (seeded requests) or the runner's. The rows of a block are
@@ -20,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +62,27 @@ class _Kept:
     num_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class _StepFeatures:
+    """One step's taps and what says which of their rows each request committed, not yet folded into the windows
+    (references only: a step that does not draft does no per-request work)."""
+
+    taps: tuple[torch.Tensor, ...]
+    """The step's tapped layer outputs, ``[T, d]`` each (concatenated, ``[T, F]``, only when folded)."""
+    chunks: Sequence[ScheduledChunk]
+    sampled: Mapping[str, list[SampledToken]]
+    layout: StepLayout
+
+    def spans(self) -> Iterator[tuple[str, int, int, int]]:
+        """Per chunk: (request id, position of its first committed row, that row in `taps`, rows committed)."""
+        cu, row_of_chunk = self.layout.cu_seqlens, self.layout.row_of_chunk
+        for i, c in enumerate(self.chunks):
+            tokens = self.sampled.get(c.request_id)
+            accepted = len(tokens) - 1 if tokens and c.num_proposed else 0
+            yield (c.request_id, c.num_computed_tokens, cu[row_of_chunk[i]],
+                   len(c.new_token_ids) - c.num_proposed + accepted)
+
+
 @dataclass(slots=True)
 class _Context:
     """One request's window of target features."""
@@ -83,21 +112,37 @@ class BlockDrafting:
         self.dtype = next(drafter.parameters()).dtype
         self.generator = torch.Generator(device=self.device).manual_seed(draft_seed(seed))
         self._contexts: dict[str, _Context] = {}
+        self._unfolded: deque[_StepFeatures] = deque(maxlen=self.window)
+        self._forgotten: set[str] = set()
+        """Requests forgotten while records of them may remain unfolded (their spans are skipped)."""
+        self._num_kept = 0
+        """Contexts holding kept drafts (none: `with_kept_probs` has nothing to look up)."""
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's window and drafts (unknown ids are ignored)."""
-        self._contexts.pop(request_id, None)
+        ctx = self._contexts.pop(request_id, None)
+        if ctx is not None and ctx.kept is not None:
+            self._num_kept -= 1
+        if self._unfolded:
+            self._forgotten.add(request_id)
+            if len(self._forgotten) > 64 * self.window:  # drafting off for long: keep only ids still recorded
+                recorded = {c.request_id for step in self._unfolded for c in step.chunks}
+                self._forgotten &= recorded
 
     def with_kept_probs(self, out: SchedulerOutput) -> SchedulerOutput:
         """`out` with the kept draft distributions of the chunks that verify exactly the drafts this runner made
         (a prefix of them: the engine may offer fewer). Other proposals are verified as deterministic tokens, which
         is lossless for any proposal, only less likely to accept."""
+        if not self._num_kept:
+            return out
         probs = {}
         for c in out.chunks:
+            m = c.num_proposed
+            if not m:
+                continue
             ctx = self._contexts.get(c.request_id)
             kept = None if ctx is None else ctx.kept
-            m = c.num_proposed
-            if (not m or kept is None or kept.probs is None or c.request_id in out.draft_probs
+            if (kept is None or kept.probs is None or c.request_id in out.draft_probs
                     or c.num_computed_tokens + len(c.new_token_ids) - m != kept.num_tokens
                     or c.new_token_ids[-m:] != kept.token_ids[:m]):
                 continue
@@ -108,35 +153,52 @@ class BlockDrafting:
     def after_step(self, chunks: Sequence[ScheduledChunk], sampled: Mapping[str, list[SampledToken]],
                    layout: StepLayout, params: Mapping[str, SamplingParams], *, propose: bool
                    ) -> dict[str, BlockDraft]:
-        """Fold the step's committed features into the windows; then (when `propose`) draft for every sampled
-        request. `params`: each sampled request's sampling settings."""
-        taps = self.taps.take()
-        for i, c in enumerate(chunks):
-            tokens = sampled.get(c.request_id)
-            accepted = len(tokens) - 1 if tokens and c.num_proposed else 0
-            committed = len(c.new_token_ids) - c.num_proposed + accepted
-            start = layout.cu_seqlens[layout.row_of_chunk[i]]
-            self._extend(c.request_id, c.num_computed_tokens, taps[start:start + committed])
-        for c in chunks:  # their kept drafts were verified (or dropped) by this step
-            self._contexts[c.request_id].kept = None
+        """Record the step's committed features; then (when `propose`) fold them into the windows and draft for
+        every sampled request. `params`: each sampled request's sampling settings (read only when proposing)."""
+        taps = self.taps.take_parts()
+        if self._num_kept:
+            for c in chunks:  # their kept drafts were verified (or dropped) by this step
+                ctx = self._contexts.get(c.request_id)
+                if ctx is not None and ctx.kept is not None:
+                    ctx.kept = None
+                    self._num_kept -= 1
+        if self._forgotten:  # a forgotten id scheduled again is a new request (its own spans count)
+            self._forgotten.difference_update(c.request_id for c in chunks)
+        self._unfolded.append(_StepFeatures(taps, chunks, sampled, layout))
         rows = [(c.request_id, c.num_computed_tokens + len(c.new_token_ids) - c.num_proposed
-                 + len(sampled[c.request_id])) for c in chunks if sampled.get(c.request_id)]
-        if not propose or not rows:
-            return {}
-        return self._draft(rows, sampled, params)
+                 + len(sampled[c.request_id])) for c in chunks if sampled.get(c.request_id)] if propose else []
+        # Steps with long prefill chunks fold at once: their taps are mostly rows no window keeps, and such a step's
+        # forward dwarfs a fold.
+        if rows or taps[0].shape[0] > 2 * self.window * len(chunks):
+            self._fold()
+        return self._draft(rows, sampled, params) if rows else {}
 
-    def _extend(self, request_id: str, position: int, rows: torch.Tensor) -> None:
-        ctx = self._contexts.get(request_id)
-        if ctx is None:
-            ctx = self._contexts[request_id] = _Context(
-                torch.zeros(self.window, self.feature_size, dtype=self.dtype, device=self.device))
-        if position != ctx.next_position:  # not a continuation: a recompute, or a prompt after a cache hit
-            ctx.num_valid = 0
-        n = min(rows.shape[0], self.window)
-        if n:
-            ctx.features = torch.cat([ctx.features[n:], rows[-n:].to(self.dtype)])
-            ctx.num_valid = min(self.window, ctx.num_valid + n)
-        ctx.next_position = position + rows.shape[0]
+    def _fold(self) -> None:
+        """Fold the recorded steps, oldest first, into the windows (a span that does not continue its request's
+        window, or follows a dropped record, starts the window afresh)."""
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for step in self._unfolded:
+            taps = torch.cat(step.taps, dim=-1)
+            for rid, position, start, n in step.spans():
+                if rid in self._forgotten:
+                    continue
+                ctx = self._contexts.get(rid)
+                if ctx is None:
+                    ctx = self._contexts[rid] = _Context(
+                        torch.zeros(self.window, self.feature_size, dtype=self.dtype, device=self.device))
+                if position != ctx.next_position:
+                    ctx.num_valid = 0
+                    pieces.pop(rid, None)
+                ctx.next_position = position + n
+                if n:
+                    pieces.setdefault(rid, []).append(taps[start + max(n - self.window, 0):start + n])
+                    ctx.num_valid = min(self.window, ctx.num_valid + n)
+        self._unfolded.clear()
+        self._forgotten.clear()
+        for rid, parts in pieces.items():
+            rows = (torch.cat(parts) if len(parts) > 1 else parts[0])[-self.window:]
+            ctx = self._contexts[rid]
+            ctx.features = torch.cat([ctx.features[rows.shape[0]:], rows.to(self.dtype)])
 
     def _draft(self, rows: Sequence[tuple[str, int]], sampled: Mapping[str, list[SampledToken]],
                params: Mapping[str, SamplingParams]) -> dict[str, BlockDraft]:
@@ -174,6 +236,8 @@ class BlockDrafting:
         out = {}
         for b, ((rid, num_tokens), ctx, ids, c) in enumerate(zip(rows, contexts, tokens.tolist(), conf.tolist(),
                                                                 strict=True)):
+            if ctx.kept is None:
+                self._num_kept += 1
             ctx.kept = _Kept(ids, probs[b], num_tokens)
             out[rid] = BlockDraft(tuple(ids), tuple(c), num_tokens)
         return out

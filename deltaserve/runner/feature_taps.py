@@ -35,11 +35,16 @@ class FeatureTaps:
     def take(self) -> torch.Tensor:
         """The last forward's taps, ``[T, len(layers) * d]``. RuntimeError when a tapped layer did not run through
         its module call (a model that bypasses `nn.Module.__call__`, such as K3's AttnRes path)."""
+        return torch.cat(self.take_parts(), dim=-1)
+
+    def take_parts(self) -> tuple[torch.Tensor, ...]:
+        """`take` before the concatenation: one ``[T, d]`` output per tapped layer, in `layers` order (a caller that
+        may never need them keeps them without a copy)."""
         missing = [i for i in self.layers if i not in self._captured]
         if missing:
             raise RuntimeError(f"feature taps: layers {missing} produced no output in the last forward (this model "
                                "does not run them through their module call)")
-        out = torch.cat([self._captured[i] for i in self.layers], dim=-1)
+        out = tuple(self._captured[i] for i in self.layers)
         self._captured.clear()
         return out
 

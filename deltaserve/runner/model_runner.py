@@ -154,9 +154,10 @@ class ModelRunner:
                 sampled = self._sample(logits, chunks, out if self.drafting is None
                                        else self.drafting.with_kept_probs(out))
             if self.drafting is not None:
-                drafts = self.drafting.after_step(
-                    out.chunks, sampled, self._layout, {c.request_id: self._requests[c.request_id].data.params
-                                                        for c in chunks}, propose=out.propose_drafts)
+                params = {c.request_id: self._requests[c.request_id].data.params
+                          for c in chunks} if out.propose_drafts else {}
+                drafts = self.drafting.after_step(out.chunks, sampled, self._layout, params,
+                                                  propose=out.propose_drafts)
         if store_reads is not None:
             assert self.shared is not None
             fetched = self.shared.finish(store_reads)

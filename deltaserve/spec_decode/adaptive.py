@@ -115,6 +115,11 @@ EXPLORE_INTERVAL = 32
 PROBE_BUDGET = 0.01
 """Probing and exploring steps are spaced so that their drafter forwards cost at most this share of the time of
 plain steps (2026-12-07: at batch 16, probes every 8 steps of drafts `choose` then refused cost 5%)."""
+REJUDGE_INTERVAL = 16
+"""`should_draft` reuses its judgement of a step shape (batch, context bucket, other rows) for this many calls while
+nothing it rests on changed but the plain steps' time ratio (an EMA that drifts slowly): judging costs ~0.2 ms next
+to a batch-64 step whose caches the forward just evicted (2026-12-07), ~2% of the step, paid on every step that does
+not draft."""
 
 
 class AdaptiveVerifier:
@@ -170,6 +175,11 @@ class AdaptiveVerifier:
         self._verify_fit = (0.0, 1.0)
         """(fixed seconds, ratio): a verifying step costs its plain part + fixed + ratio * x (`_affine_fit`)."""
         self._since_probe = 0
+        self._version = 0
+        """Bumped whenever the acceptance rates, offered confidences or verification costs change (judgements stale)."""
+        self._calls = 0
+        self._judgements: dict[tuple[int, int, int, int], tuple[int, int, float, float]] = {}
+        """`should_draft` step shape -> (version, call it expires at, best rate / plain rate, probe interval floor)."""
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -240,6 +250,7 @@ class AdaptiveVerifier:
         for j, (total, count) in enumerate(zip(calibrated.sum(axis=0).tolist(), counts, strict=True)):  # 0 past drafts
             if count:
                 self._offered_ema[j] = _ema(self._offered_ema[j], total / count, self._weight)
+        self._version += 1
         gains = np.cumprod(calibrated, axis=1)[mask]  # marginal gain of each real draft, request-major
         requests, positions = np.nonzero(mask)
         # Best first; ties: earlier positions first (keeps prefixes), then spread across requests.
@@ -275,34 +286,47 @@ class AdaptiveVerifier:
         Where drafting is judged not to pay by a small margin (`EXPLORE_MARGIN`), one step in EXPLORE_INTERVAL drafts
         anyway, so that acceptance rates estimated from a few early steps can be corrected (2026-12-07: code edits at
         batch 1 turned drafting off for good after 10 steps whose position-2 rate was half the long-run one). Both
-        intervals stretch where the drafter's forward is dear next to a plain step (`PROBE_BUDGET`).
+        intervals stretch where the drafter's forward is dear next to a plain step (`PROBE_BUDGET`). A judgement is
+        reused for the same step shape until the rates or costs it rests on change (`REJUDGE_INTERVAL` calls at most).
         """
         _check_other_rows(num_other_seqs, num_other_tokens)
         if num_seqs <= 0:
             return False
+        self._calls += 1
+        key = (num_seqs, context_len // CONTEXT_BUCKET, num_other_seqs, num_other_tokens)
+        judged = self._judgements.get(key)
+        if judged is None or judged[0] != self._version or judged[1] <= self._calls:
+            if len(self._judgements) >= 4096:
+                self._judgements.clear()
+            judged = self._judgements[key] = (self._version, self._calls + REJUDGE_INTERVAL,
+                                              *self._judge(num_seqs, context_len, num_other_seqs, num_other_tokens))
+        _, _, gain, probe_floor = judged
+        if gain > DRAFT_MARGIN and self._idle_steps < IDLE_STEPS:
+            return True
+        interval = PROBE_INTERVAL if gain > DRAFT_MARGIN else EXPLORE_INTERVAL if gain > EXPLORE_MARGIN else 0
+        if interval:  # and rarer where a drafter forward is dear next to a step: probes cost <= PROBE_BUDGET
+            self._since_probe += 1
+            if self._since_probe >= max(interval, probe_floor):
+                self._since_probe = 0
+                return True
+        self.stats.num_draft_off_steps += 1
+        return False
+
+    def _judge(self, num_seqs: int, context_len: int, num_other_seqs: int, num_other_tokens: int
+               ) -> tuple[float, float]:
+        """(best expected rate with drafting / plain decoding's rate, the fewest steps between probes that keeps
+        their drafter forwards within PROBE_BUDGET) for `should_draft`; (inf, 0) before anything was observed."""
         rates = _carry_forward(self._accept_ema) or _carry_forward(self._offered_ema)
         if rates is None:
-            return True
+            return math.inf, 0.0
         # Every request's position j before any position j + 1 (all requests alike).
         gains = np.repeat(np.cumprod(_clamp01(np.asarray(rates, dtype=np.float64))), num_seqs)
         base = num_seqs + num_other_tokens
         seconds = self._seconds(num_seqs + num_other_seqs, context_len, base, gains.size)
         plain_rate = base / (seconds[0] * self._plain_ratio)
         draft = self.cost_model.predict_draft(num_seqs)
-        drafting = self._corrected(seconds + draft)
-        _, best_rate = scan_totals(gains, drafting, base_tokens=base)
-        if best_rate > DRAFT_MARGIN * plain_rate and self._idle_steps < IDLE_STEPS:
-            return True
-        interval = (PROBE_INTERVAL if best_rate > DRAFT_MARGIN * plain_rate
-                    else EXPLORE_INTERVAL if best_rate > EXPLORE_MARGIN * plain_rate else 0)
-        if interval:  # and rarer where a drafter forward is dear next to a step: probes cost <= PROBE_BUDGET
-            interval = max(interval, math.ceil(draft / (PROBE_BUDGET * base / plain_rate)))
-            self._since_probe += 1
-            if self._since_probe >= interval:
-                self._since_probe = 0
-                return True
-        self.stats.num_draft_off_steps += 1
-        return False
+        _, best_rate = scan_totals(gains, self._corrected(seconds + draft), base_tokens=base)
+        return best_rate / plain_rate, math.ceil(draft / (PROBE_BUDGET * base / plain_rate))
 
     def _curve(self, num_seqs: int, context_len: int) -> CostCurve:
         """The cost model's curve at this batch size and context, cached (the context to CONTEXT_BUCKET tokens: a
@@ -367,6 +391,7 @@ class AdaptiveVerifier:
         self._verify_moments = moments = tuple(  # type: ignore[assignment]
             (1.0 - w) * old + w * new for old, new in zip(prior, (x, y, x * x, x * y), strict=True))
         self._verify_fit = _affine_fit(*moments)
+        self._version += 1
 
     @property
     def _plain_ratio(self) -> float:
@@ -413,3 +438,4 @@ class AdaptiveVerifier:
                                        float(num_kept[j] / num_reached[j]), self._weight)
             self._conf_ema[j] = _ema(mean_conf if self._conf_ema[j] is None else self._conf_ema[j], mean_conf,
                                      self._weight)
+        self._version += 1

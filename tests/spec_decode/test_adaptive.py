@@ -12,9 +12,11 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from deltaserve.spec_decode.adaptive import (
+    CONTEXT_BUCKET,
     EXPLORE_INTERVAL,
     IDLE_STEPS,
     PROBE_INTERVAL,
+    REJUDGE_INTERVAL,
     VERIFY_MARGIN,
     AdaptiveStats,
     AdaptiveVerifier,
@@ -205,6 +207,28 @@ def test_should_draft_off_at_high_load_and_back_when_it_drops():
     assert verifier.stats.num_draft_off_steps == 1
     assert verifier.should_draft(8, 100)
     assert not verifier.should_draft(0, 100)
+
+
+def test_judgements_are_reused_until_what_they_rest_on_changes():
+    """`should_draft` judges a step shape once per REJUDGE_INTERVAL calls (the plain steps' ratio drifts slowly) and
+    at once after anything it rests on changes: new acceptance rates turn drafting off and on again immediately."""
+    verifier = AdaptiveVerifier(grid_model(roofline, query_lens=(1, 5), draft=lambda b: 1e-3), 4)
+    observe_steps(verifier, 0.8)
+    judged = []
+    judge = verifier._judge
+
+    def counting(*args):  # noqa: ANN002, ANN202
+        judged.append(args)
+        return judge(*args)
+
+    verifier._judge = counting  # type: ignore[method-assign]
+    assert all(verifier.should_draft(8, 100) for _ in range(2 * REJUDGE_INTERVAL + 1))
+    assert len(judged) == 3
+    assert verifier.should_draft(8, 100 + CONTEXT_BUCKET) and len(judged) == 4  # another shape: judged on its own
+    observe_steps(verifier, 0.0, steps=60)
+    assert not verifier.should_draft(8, 100) and len(judged) == 5
+    observe_steps(verifier, 0.8, steps=60)
+    assert verifier.should_draft(8, 100) and len(judged) == 6
 
 
 def test_close_calls_keep_exploring_and_clear_losses_do_not():

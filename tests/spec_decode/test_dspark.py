@@ -258,6 +258,88 @@ def test_adaptive_decisions_change_no_output(base, fitted_drafter, verify_factor
     core.shutdown()
 
 
+class ScriptedDrafting(AdaptiveVerifier):
+    """Verifies no draft (so every run decodes as plain decoding does, step for step) and drafts on the steps
+    `drafts_on(step)` allows (steps counted from 1, by `should_draft` calls)."""
+
+    def __init__(self, drafts_on) -> None:  # noqa: ANN001
+        super().__init__(synthetic_costs(1.0), K, correct_with_step_times=False)
+        self.drafts_on, self.step = drafts_on, 0
+
+    def choose(self, confidences, context_lens, **_kw) -> list[int]:  # noqa: ANN001
+        return [0] * len(confidences)
+
+    def should_draft(self, num_seqs: int, context_len: int, **_kw) -> bool:
+        self.step += 1
+        return bool(self.drafts_on(self.step))
+
+
+class RecordingDrafts(CountingDrafts):
+    """Keeps every step's drafts, by the step they were made after."""
+
+    def __init__(self, inner, verifier: ScriptedDrafting) -> None:  # noqa: ANN001
+        super().__init__(inner)
+        self.verifier, self.drafts = verifier, {}
+
+    def receive(self, drafts) -> None:  # noqa: ANN001
+        self.drafts[self.verifier.step] = dict(drafts)
+        super().receive(drafts)
+
+
+def _scripted_run(base: str, drafter: str, drafts_on) -> dict[int, dict]:  # noqa: ANN001
+    config = _replace_spec(engine_config(base), SpeculativeConfig(method="dspark", num_speculative_tokens=K,
+                                                                  model=drafter))
+    verifier = ScriptedDrafting(drafts_on)
+    recording = RecordingDrafts(BlockDraftProposer(model=drafter, num_speculative_tokens=K, engine=config), verifier)
+    core = EngineCore(config, proposer=recording)
+    assert core.proposer_hook is not None
+    core.proposer_hook.verifier = verifier
+    assert run(core, requests(base)).tokens == plain_run(base, "float32").tokens
+    assert_features_hit(core)
+    assert_all_free(core)
+    core.shutdown()
+    return recording.drafts
+
+
+def test_windows_folded_after_steps_without_drafting_give_the_same_drafts(base, fitted_drafter):
+    """Steps that do not draft only record their features, folded into the windows when a step drafts again: the
+    drafts after a gap shorter than the window (mixed batch, chunked prefill, prefix hit, preemption) equal those of
+    a run that drafts every step; after longer gaps (older records dropped) drafting still runs, outputs unchanged."""
+    window = load_drafter(fitted_drafter).config.context_window
+    every = _scripted_run(base, fitted_drafter, lambda step: True)
+    gapped = _scripted_run(base, fitted_drafter, lambda step: step % 4 == 0)
+    assert len(every) > 8 and len(gapped) >= 4
+    for step, drafts in gapped.items():
+        assert drafts == every[step], f"step {step}: drafts differ from a run that drafted every step"
+    long_gaps = _scripted_run(base, fitted_drafter, lambda step: step % (window + 3) == 0)
+    assert long_gaps and all(long_gaps.values())
+
+
+def test_disable_by_batch_size_stops_the_drafter_forward_too(base, fitted_drafter):
+    """With `disable_by_batch_size`, steps at that load propose nothing, and the workers do not draft for them either
+    (drafts nobody would offer): the drafter runs only once fewer requests run; outputs unchanged."""
+    config = _replace_spec(engine_config(base), SpeculativeConfig(
+        method="dspark", num_speculative_tokens=K, model=fitted_drafter, enable_adaptive_verification=False,
+        disable_by_batch_size=2))
+    core = EngineCore(config)
+    drafting = core.executor.worker.runner.drafting  # type: ignore[attr-defined]
+    batches: list[int] = []
+
+    def counted(features, *args):  # noqa: ANN001, ANN002, ANN202
+        batches.append(features.shape[0])
+        return drafting.drafter(features, *args)
+
+    drafting.forward = counted
+    vocab = ModelConfig.from_pretrained(base).vocab_size
+    for rid, n in (("short", 3), ("long", 14)):
+        core.add_request(rid, prompt_ids(vocab, 6, seed=len(rid)), SamplingParams(temperature=0.0, max_tokens=n,
+                                                                                   ignore_eos=True))
+    while core.has_unfinished_requests():
+        core.step()
+    assert batches and set(batches) == {1}, batches
+    core.shutdown()
+
+
 # -- compiled drafter graphs -------------------------------------------------------------------------------------
 
 
