@@ -122,6 +122,8 @@ class ProposerHook:
         self._probs: dict[str, torch.Tensor] = {}
         self._confidences: dict[str, tuple[float, ...]] = {}
         """This step's offered confidences per request (what the verifier learns calibration from)."""
+        self._step_shape: tuple[int, int, bool] | None = None
+        """This step's (sampling rows, mean context, any proposals) for `observe_step`; None: a prefill step."""
 
     def forget(self, request_id: str) -> None:
         """A request ended (finished or aborted): the proposer drops what it keeps for it."""
@@ -182,15 +184,25 @@ class ProposerHook:
         limit = self.disable_by_batch_size
         if limit is not None and len(self.scheduler.running) >= limit:
             out = replace(out, propose_drafts=False)
-        elif self.verifier is not None:
-            sampling = [c for c in out.chunks if c.sample]
-            if sampling:
-                others = [c for c in out.chunks if not c.sample]
-                draft = self.verifier.should_draft(
-                    len(sampling), round(sum(c.num_computed_tokens for c in sampling) / len(sampling)),
-                    num_other_seqs=len(others), num_other_tokens=sum(len(c.new_token_ids) for c in others))
-                if not draft:
-                    out = replace(out, propose_drafts=False)
+        elif self.verifier is not None and out.chunks:
+            # One pass over the chunks for `should_draft` and `observe_step` (a step that drafts nothing pays only
+            # this and the judgement's lookup).
+            num_sampling = sampling_context = other_tokens = all_context = 0
+            prefill = proposed = False
+            for c in out.chunks:
+                all_context += c.num_computed_tokens
+                prefill = prefill or len(c.new_token_ids) > 1 + c.num_proposed
+                proposed = proposed or c.num_proposed > 0
+                if c.sample:
+                    num_sampling += 1
+                    sampling_context += c.num_computed_tokens
+                else:
+                    other_tokens += len(c.new_token_ids)
+            self._step_shape = None if prefill else (num_sampling, round(all_context / len(out.chunks)), proposed)
+            if num_sampling and not self.verifier.should_draft(
+                    num_sampling, round(sampling_context / num_sampling),
+                    num_other_seqs=len(out.chunks) - num_sampling, num_other_tokens=other_tokens):
+                out = replace(out, propose_drafts=False)
         if not self._probs:
             return out
         probs = {c.request_id: self._probs[c.request_id][:c.num_proposed] for c in out.chunks
@@ -198,16 +210,14 @@ class ProposerHook:
         return replace(out, draft_probs=probs) if probs else out
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step took `seconds` in all: the verifier corrects its cost model with it."""
-        if self.verifier is None or not out.chunks:
+        """A step took `seconds` in all: the verifier corrects its cost model with it (not with a step that had a
+        prefill chunk: far outside the cost model's grid of 1 to k + 1 tokens a row, no evidence)."""
+        shape, self._step_shape = self._step_shape, None
+        if self.verifier is None or shape is None or not out.chunks:
             return
-        if any(len(c.new_token_ids) > 1 + c.num_proposed for c in out.chunks):
-            return  # a prefill chunk: far outside the cost model's grid (1 to k + 1 tokens a row), no evidence
-        sampling = [c for c in out.chunks if c.sample]
-        context = round(sum(c.num_computed_tokens for c in out.chunks) / len(out.chunks))
+        num_sampling, context, proposed = shape
         self.verifier.observe_step(len(out.chunks), out.num_tokens, context, seconds,
-                                   num_drafting=len(sampling) if out.propose_drafts else 0,
-                                   verified=any(c.num_proposed for c in out.chunks))
+                                   num_drafting=num_sampling if out.propose_drafts else 0, verified=proposed)
 
     def after_update(self, events: list[StepEvent], result: RunnerOutput) -> dict[str, str]:
         if result.drafts and isinstance(self.proposer, WorkerDraftedProposer):

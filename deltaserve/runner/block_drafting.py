@@ -149,7 +149,6 @@ class BlockDrafting:
             probs[c.request_id] = kept.probs[:m]
         return dataclasses.replace(out, draft_probs={**out.draft_probs, **probs}) if probs else out
 
-    @torch.inference_mode()
     def after_step(self, chunks: Sequence[ScheduledChunk], sampled: Mapping[str, list[SampledToken]],
                    layout: StepLayout, params: Mapping[str, SamplingParams], *, propose: bool
                    ) -> dict[str, BlockDraft]:
@@ -167,11 +166,13 @@ class BlockDrafting:
         self._unfolded.append(_StepFeatures(taps, chunks, sampled, layout))
         rows = [(c.request_id, c.num_computed_tokens + len(c.new_token_ids) - c.num_proposed
                  + len(sampled[c.request_id])) for c in chunks if sampled.get(c.request_id)] if propose else []
-        # Steps with long prefill chunks fold at once: their taps are mostly rows no window keeps, and such a step's
-        # forward dwarfs a fold.
-        if rows or taps[0].shape[0] > 2 * self.window * len(chunks):
+        # A step with more rows than verifying decodes have (a prefill chunk) folds at once: its taps are mostly rows
+        # no window keeps, not to be held for later, and its forward dwarfs a fold.
+        if not rows and taps[0].shape[0] <= (self.block_size + 1) * len(chunks):
+            return {}
+        with torch.inference_mode():
             self._fold()
-        return self._draft(rows, sampled, params) if rows else {}
+            return self._draft(rows, sampled, params) if rows else {}
 
     def _fold(self) -> None:
         """Fold the recorded steps, oldest first, into the windows (a span that does not continue its request's

@@ -535,13 +535,16 @@ def test_prefill_steps_do_not_correct_the_cost_model():
     from deltaserve.scheduler.output import ScheduledChunk, SchedulerOutput
 
     verifier = AdaptiveVerifier(grid_model(lambda b, q, c: 0.010 + 1e-3 * q), 4)
-    hook = ProposerHook(None, None, {}, verifier=verifier)  # type: ignore[arg-type]  # observe_step needs neither
+    hook = ProposerHook(None, None, {}, verifier=verifier)  # type: ignore[arg-type]  # these calls need neither
 
     def chunk(tokens: int) -> ScheduledChunk:
         return ScheduledChunk(request_id="r", new_token_ids=[1] * tokens, num_computed_tokens=100, state_slot=0,
                               block_ids=[0])
 
-    hook.observe_step(SchedulerOutput(chunks=[chunk(200)]), 0.05)
+    def step(out: SchedulerOutput, seconds: float) -> None:  # what the engine calls for a step
+        hook.observe_step(hook.after_schedule(out), seconds)
+
+    step(SchedulerOutput(chunks=[chunk(200)]), 0.05)
     assert verifier.cost_corrections == (1.0, 1.0)
-    hook.observe_step(SchedulerOutput(chunks=[chunk(1)]), 0.022)  # twice the predicted 11 ms
+    step(SchedulerOutput(chunks=[chunk(1)]), 0.022)  # twice the predicted 11 ms
     assert verifier.cost_corrections[0] == pytest.approx(1.1)  # from 1 (the model) by the EMA weight 0.1
