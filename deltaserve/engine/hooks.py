@@ -122,6 +122,7 @@ class ProposerHook:
         self._probs: dict[str, torch.Tensor] = {}
         self._confidences: dict[str, tuple[float, ...]] = {}
         """This step's offered confidences per request (what the verifier learns calibration from)."""
+        self._num_probes = 0
         self._step_shape: tuple[int, int, bool] | None = None
         """This step's (sampling rows, mean context, any proposals) for `observe_step`; None: a prefill step."""
 
@@ -185,7 +186,7 @@ class ProposerHook:
         if limit is not None and len(self.scheduler.running) >= limit:
             out = replace(out, propose_drafts=False)
         elif self.verifier is not None and out.chunks:
-            # One pass over the chunks for `should_draft` and `observe_step` (a step that drafts nothing pays only
+            # One pass over the chunks for `drafts_for` and `observe_step` (a step that drafts nothing pays only
             # this and the judgement's lookup).
             num_sampling = sampling_context = other_tokens = all_context = 0
             prefill = proposed = False
@@ -198,11 +199,17 @@ class ProposerHook:
                     sampling_context += c.num_computed_tokens
                 else:
                     other_tokens += len(c.new_token_ids)
-            self._step_shape = None if prefill else (num_sampling, round(all_context / len(out.chunks)), proposed)
-            if num_sampling and not self.verifier.should_draft(
-                    num_sampling, round(sampling_context / num_sampling),
-                    num_other_seqs=len(out.chunks) - num_sampling, num_other_tokens=other_tokens):
+            drafting = num_sampling and self.verifier.drafts_for(
+                num_sampling, round(sampling_context / num_sampling), num_other_seqs=len(out.chunks) - num_sampling,
+                num_other_tokens=other_tokens)
+            if not drafting:
                 out = replace(out, propose_drafts=False)
+            elif drafting < num_sampling:  # a probe: requests in turn
+                self._num_probes += 1
+                ids = [c.request_id for c in out.chunks if c.sample]
+                out = replace(out, draft_only=tuple(ids[(self._num_probes + i) % num_sampling]
+                                                    for i in range(drafting)))
+            self._step_shape = None if prefill else (num_sampling, round(all_context / len(out.chunks)), proposed)
         if not self._probs:
             return out
         probs = {c.request_id: self._probs[c.request_id][:c.num_proposed] for c in out.chunks
@@ -216,8 +223,9 @@ class ProposerHook:
         if self.verifier is None or shape is None or not out.chunks:
             return
         num_sampling, context, proposed = shape
-        self.verifier.observe_step(len(out.chunks), out.num_tokens, context, seconds,
-                                   num_drafting=num_sampling if out.propose_drafts else 0, verified=proposed)
+        drafting = 0 if not out.propose_drafts else num_sampling if out.draft_only is None else len(out.draft_only)
+        self.verifier.observe_step(len(out.chunks), out.num_tokens, context, seconds, num_drafting=drafting,
+                                   verified=proposed)
 
     def after_update(self, events: list[StepEvent], result: RunnerOutput) -> dict[str, str]:
         if result.drafts and isinstance(self.proposer, WorkerDraftedProposer):

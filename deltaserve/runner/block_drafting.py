@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,10 +150,11 @@ class BlockDrafting:
         return dataclasses.replace(out, draft_probs={**out.draft_probs, **probs}) if probs else out
 
     def after_step(self, chunks: Sequence[ScheduledChunk], sampled: Mapping[str, list[SampledToken]],
-                   layout: StepLayout, params: Mapping[str, SamplingParams], *, propose: bool
-                   ) -> dict[str, BlockDraft]:
+                   layout: StepLayout, params: Mapping[str, SamplingParams], *, propose: bool,
+                   only: Collection[str] | None = None) -> dict[str, BlockDraft]:
         """Record the step's committed features; then (when `propose`) fold them into the windows and draft for
-        every sampled request. `params`: each sampled request's sampling settings (read only when proposing)."""
+        every sampled request (of `only`, when given). `params`: the sampling settings of each request to draft
+        for (read only when proposing)."""
         taps = self.taps.take_parts()
         if self._num_kept:
             for c in chunks:  # their kept drafts were verified (or dropped) by this step
@@ -165,7 +166,8 @@ class BlockDrafting:
             self._forgotten.difference_update(c.request_id for c in chunks)
         self._unfolded.append(_StepFeatures(taps, chunks, sampled, layout))
         rows = [(c.request_id, c.num_computed_tokens + len(c.new_token_ids) - c.num_proposed
-                 + len(sampled[c.request_id])) for c in chunks if sampled.get(c.request_id)] if propose else []
+                 + len(sampled[c.request_id])) for c in chunks
+                if sampled.get(c.request_id) and (only is None or c.request_id in only)] if propose else []
         # A step with more rows than verifying decodes have (a prefill chunk) folds at once: its taps are mostly rows
         # no window keeps, not to be held for later, and its forward dwarfs a fold.
         if not rows and taps[0].shape[0] <= (self.block_size + 1) * len(chunks):

@@ -154,10 +154,11 @@ class ModelRunner:
                 sampled = self._sample(logits, chunks, out if self.drafting is None
                                        else self.drafting.with_kept_probs(out))
             if self.drafting is not None:
-                params = {c.request_id: self._requests[c.request_id].data.params
-                          for c in chunks} if out.propose_drafts else {}
+                only = out.draft_only
+                params = {c.request_id: self._requests[c.request_id].data.params for c in chunks
+                          if only is None or c.request_id in only} if out.propose_drafts else {}
                 drafts = self.drafting.after_step(out.chunks, sampled, self._layout, params,
-                                                  propose=out.propose_drafts)
+                                                  propose=out.propose_drafts, only=only)
         if store_reads is not None:
             assert self.shared is not None
             fetched = self.shared.finish(store_reads)

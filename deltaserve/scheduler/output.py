@@ -94,6 +94,10 @@ class SchedulerOutput:
     propose_drafts: bool = True
     """Block drafter: draft the next tokens of this step's sampled requests after sampling (False: the engine's
     adaptive verification found speculation not worth its cost at this load)."""
+    draft_only: tuple[str, ...] | None = None
+    """Block drafter, with `propose_drafts`: draft only for these requests (adaptive verification's probes: one
+    request's drafts keep its acceptance rates current for a fraction of a whole batch's drafter forward); None:
+    every sampled request."""
 
     @property
     def num_tokens(self) -> int:

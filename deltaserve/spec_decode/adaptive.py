@@ -26,7 +26,7 @@ class AdaptiveStats:
     num_verified_positions: int = 0
     """Draft positions `choose` kept for verification (the sum of its answers)."""
     num_draft_off_steps: int = 0
-    """`should_draft` calls that answered False: steps whose drafter forward was skipped."""
+    """`drafts_for` (`should_draft`) calls that answered 0: steps whose drafter forward was skipped."""
     last_total: int = 0
     """Draft positions verified in all by the latest `choose` (a gauge)."""
 
@@ -273,25 +273,34 @@ class AdaptiveVerifier:
 
     def should_draft(self, num_seqs: int, context_len: int, *, num_other_seqs: int = 0,
                      num_other_tokens: int = 0) -> bool:
-        """Whether drafting for the next step of `num_seqs` decoding requests at `context_len` can beat plain decoding.
+        """Whether the workers draft at all after the next step (`drafts_for` > 0)."""
+        return self.drafts_for(num_seqs, context_len, num_other_seqs=num_other_seqs,
+                               num_other_tokens=num_other_tokens) > 0
+
+    def drafts_for(self, num_seqs: int, context_len: int, *, num_other_seqs: int = 0,
+                   num_other_tokens: int = 0) -> int:
+        """How many of the next step's `num_seqs` decoding requests (at `context_len`) the workers draft for: all of
+        them where drafting can beat plain decoding, one on a probing or exploring step, else 0.
 
         Compares the best expected rate with drafting (every request drafting k positions with the observed
         `acceptance_rates` as confidences, the drafter's time included) against ``B / predict(B, B, ctx)``. Before any
         verified step it judges by the calibrated confidences `choose` was offered (a verifier that verifies nothing
-        still learns that drafting does not pay); True before either; False for no requests. Call it every step, also
+        still learns that drafting does not pay); all before either; 0 for no requests. Call it every step, also
         while off: the rates stay as last seen, and a smaller load brings drafting back.
 
         And drafting whose drafts `choose` keeps refusing is wasted: after IDLE_STEPS consecutive choices of nothing,
         drafting is off except for one probe step every PROBE_INTERVAL calls (a verified position ends the pause).
         Where drafting is judged not to pay by a small margin (`EXPLORE_MARGIN`), one step in EXPLORE_INTERVAL drafts
         anyway, so that acceptance rates estimated from a few early steps can be corrected (2026-12-07: code edits at
-        batch 1 turned drafting off for good after 10 steps whose position-2 rate was half the long-run one). Both
-        intervals stretch where the drafter's forward is dear next to a plain step (`PROBE_BUDGET`). A judgement is
-        reused for the same step shape until the rates or costs it rests on change (`REJUDGE_INTERVAL` calls at most).
+        batch 1 turned drafting off for good after 10 steps whose position-2 rate was half the long-run one). Probing
+        and exploring steps draft for one request (the rates are per position, not per batch: a whole batch's drafter
+        forward and verification on such steps cost ~5% at batch 4, 2026-12-07), and both intervals stretch where
+        even that drafter forward is dear next to a plain step (`PROBE_BUDGET`). A judgement is reused for the same
+        step shape until the rates or costs it rests on change (`REJUDGE_INTERVAL` calls at most).
         """
         _check_other_rows(num_other_seqs, num_other_tokens)
         if num_seqs <= 0:
-            return False
+            return 0
         self._calls += 1
         key = (num_seqs, context_len // CONTEXT_BUCKET, num_other_seqs, num_other_tokens)
         judged = self._judgements.get(key)
@@ -302,20 +311,21 @@ class AdaptiveVerifier:
                                               *self._judge(num_seqs, context_len, num_other_seqs, num_other_tokens))
         _, _, gain, probe_floor = judged
         if gain > DRAFT_MARGIN and self._idle_steps < IDLE_STEPS:
-            return True
+            return num_seqs
         interval = PROBE_INTERVAL if gain > DRAFT_MARGIN else EXPLORE_INTERVAL if gain > EXPLORE_MARGIN else 0
-        if interval:  # and rarer where a drafter forward is dear next to a step: probes cost <= PROBE_BUDGET
+        if interval:
             self._since_probe += 1
             if self._since_probe >= max(interval, probe_floor):
                 self._since_probe = 0
-                return True
+                return 1
         self.stats.num_draft_off_steps += 1
-        return False
+        return 0
 
     def _judge(self, num_seqs: int, context_len: int, num_other_seqs: int, num_other_tokens: int
                ) -> tuple[float, float]:
         """(best expected rate with drafting / plain decoding's rate, the fewest steps between probes that keeps
-        their drafter forwards within PROBE_BUDGET) for `should_draft`; (inf, 0) before anything was observed."""
+        their one-request drafter forwards within PROBE_BUDGET) for `drafts_for`; (inf, 0) before anything was
+        observed."""
         rates = _carry_forward(self._accept_ema) or _carry_forward(self._offered_ema)
         if rates is None:
             return math.inf, 0.0
@@ -326,7 +336,8 @@ class AdaptiveVerifier:
         plain_rate = base / (seconds[0] * self._plain_ratio)
         draft = self.cost_model.predict_draft(num_seqs)
         _, best_rate = scan_totals(gains, self._corrected(seconds + draft), base_tokens=base)
-        return best_rate / plain_rate, math.ceil(draft / (PROBE_BUDGET * base / plain_rate))
+        probe = self.cost_model.predict_draft(1)
+        return best_rate / plain_rate, math.ceil(probe / (PROBE_BUDGET * base / plain_rate))
 
     def _curve(self, num_seqs: int, context_len: int) -> CostCurve:
         """The cost model's curve at this batch size and context, cached (the context to CONTEXT_BUCKET tokens: a

@@ -127,6 +127,8 @@ def test_drafts_that_are_always_refused_pause_drafting_with_probes():
     observe_steps(verifier, 0.9, batch=1)  # the rates say drafting pays; the refusals say otherwise
     answers = [verifier.should_draft(1, 100) for _ in range(2 * PROBE_INTERVAL)]
     assert answers.count(True) == 2 and answers[PROBE_INTERVAL - 1] and answers[-1]
+    # At batch 8 the probes draft for one request, not the batch (the rates they keep current are per position).
+    assert [verifier.drafts_for(8, 100) for _ in range(PROBE_INTERVAL)] == [0] * (PROBE_INTERVAL - 1) + [1]
     assert verifier.choose([[0.9] * 8], [100]) == [8]  # the probe's drafts pay: the pause ends
     assert verifier.should_draft(1, 100)
 

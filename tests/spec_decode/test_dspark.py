@@ -260,7 +260,7 @@ def test_adaptive_decisions_change_no_output(base, fitted_drafter, verify_factor
 
 class ScriptedDrafting(AdaptiveVerifier):
     """Verifies no draft (so every run decodes as plain decoding does, step for step) and drafts on the steps
-    `drafts_on(step)` allows (steps counted from 1, by `should_draft` calls)."""
+    `drafts_on(step)` allows (for every request; steps counted from 1, by `drafts_for` calls)."""
 
     def __init__(self, drafts_on) -> None:  # noqa: ANN001
         super().__init__(synthetic_costs(1.0), K, correct_with_step_times=False)
@@ -269,9 +269,9 @@ class ScriptedDrafting(AdaptiveVerifier):
     def choose(self, confidences, context_lens, **_kw) -> list[int]:  # noqa: ANN001
         return [0] * len(confidences)
 
-    def should_draft(self, num_seqs: int, context_len: int, **_kw) -> bool:
+    def drafts_for(self, num_seqs: int, context_len: int, **_kw) -> int:
         self.step += 1
-        return bool(self.drafts_on(self.step))
+        return num_seqs if self.drafts_on(self.step) else 0
 
 
 class RecordingDrafts(CountingDrafts):
@@ -337,6 +337,48 @@ def test_disable_by_batch_size_stops_the_drafter_forward_too(base, fitted_drafte
     while core.has_unfinished_requests():
         core.step()
     assert batches and set(batches) == {1}, batches
+    core.shutdown()
+
+
+class AlwaysProbing(AdaptiveVerifier):
+    """Drafts for one request per step (a probe, every step); verifies every draft offered."""
+
+    def __init__(self) -> None:
+        super().__init__(synthetic_costs(0.01), K, correct_with_step_times=False)
+
+    def choose(self, confidences, context_lens, **_kw) -> list[int]:  # noqa: ANN001
+        return [len(c) for c in confidences]
+
+    def drafts_for(self, num_seqs: int, context_len: int, **_kw) -> int:
+        return 1
+
+
+def test_probing_steps_draft_for_one_request_in_turn(base, fitted_drafter):
+    """A probe drafts for one request (a batch-1 drafter forward), each request in turn; outputs are plain
+    decoding's (mixed batch, chunked prefill, prefix hit, preemption)."""
+    config = _replace_spec(engine_config(base), SpeculativeConfig(method="dspark", num_speculative_tokens=K,
+                                                                  model=fitted_drafter))
+    counting = CountingDrafts(BlockDraftProposer(model=fitted_drafter, num_speculative_tokens=K, engine=config))
+    received: list[set[str]] = []
+    inner_receive = counting.receive
+    counting.receive = lambda drafts: (received.append(set(drafts)), inner_receive(drafts))  # type: ignore[method-assign]
+    core = EngineCore(config, proposer=counting)
+    assert core.proposer_hook is not None
+    core.proposer_hook.verifier = AlwaysProbing()
+    drafting = core.executor.worker.runner.drafting  # type: ignore[attr-defined]
+    batches: list[int] = []
+
+    def counted(features, *args):  # noqa: ANN001, ANN002, ANN202
+        batches.append(features.shape[0])
+        return drafting.drafter(features, *args)
+
+    drafting.forward = counted
+    assert run(core, requests(base)).tokens == plain_run(base, "float32").tokens
+    assert batches and set(batches) == {1}
+    assert all(len(ids) == 1 for ids in received) and len(set().union(*received)) >= 3
+    assert counting.proposed > 0 and core.proposer_hook.stats.num_accepted_tokens > 0
+    assert_features_hit(core)
+    assert_all_free(core)
     core.shutdown()
 
 
