@@ -165,6 +165,9 @@ class EngineCore:
         batch = [b for b in batch if b * (k + 1) <= sc.max_num_batched_tokens] or [1]
         for q in (1, k + 1):  # warm-up: first calls allocate (and load the decode and verify kernels)
             self.executor.time_step(batch[-1], q, contexts[-1])
+        for b in batch:  # and the drafter's, per batch bucket (2026-12-07: its first calls took 2-2.6x the later
+            for _ in range(2):  # ones, which made drafting look dear at batch 1)
+                self.executor.time_draft(b)
         model = measure_cost_model(lambda b, t, c: self.executor.time_step(b, t // b, c), batch_sizes=batch,
                                    query_lens=sorted({1, 2, min(4, k + 1), k + 1}), context_lens=contexts,
                                    time_draft=self.executor.time_draft)

@@ -113,8 +113,9 @@ judgement is close, and rests on acceptance rates that stop being observed once 
 EXPLORE_INTERVAL = 32
 """Where drafting falls short by less than `EXPLORE_MARGIN`, one step in this many drafts (at least: `PROBE_BUDGET`)."""
 PROBE_BUDGET = 0.01
-"""Probing and exploring steps are spaced so that their drafter forwards cost at most this share of the time of
-plain steps (2026-12-07: at batch 16, probes every 8 steps of drafts `choose` then refused cost 5%)."""
+"""Probing and exploring steps are spaced so that their cost (one request's drafter forward and the verification of
+its drafts) is at most this share of the time of plain steps (2026-12-07: at batch 16, probes every 8 steps of whole
+batches' drafts cost 5%)."""
 REJUDGE_INTERVAL = 16
 """`should_draft` reuses its judgement of a step shape (batch, context bucket, other rows) for this many calls while
 nothing it rests on changed but the plain steps' time ratio (an EMA that drifts slowly): judging costs ~0.2 ms next
@@ -324,8 +325,7 @@ class AdaptiveVerifier:
     def _judge(self, num_seqs: int, context_len: int, num_other_seqs: int, num_other_tokens: int
                ) -> tuple[float, float]:
         """(best expected rate with drafting / plain decoding's rate, the fewest steps between probes that keeps
-        their one-request drafter forwards within PROBE_BUDGET) for `drafts_for`; (inf, 0) before anything was
-        observed."""
+        their cost within PROBE_BUDGET) for `drafts_for`; (inf, 0) before anything was observed."""
         rates = _carry_forward(self._accept_ema) or _carry_forward(self._offered_ema)
         if rates is None:
             return math.inf, 0.0
@@ -336,7 +336,10 @@ class AdaptiveVerifier:
         plain_rate = base / (seconds[0] * self._plain_ratio)
         draft = self.cost_model.predict_draft(num_seqs)
         _, best_rate = scan_totals(gains, self._corrected(seconds + draft), base_tokens=base)
-        probe = self.cost_model.predict_draft(1)
+        # A probe costs one request's drafter forward and, the step after, the verification of its k drafts (with a
+        # verifying step's fixed cost): 2026-12-07, counting the drafter alone let probes cost ~3% at batch 4.
+        verify = self._corrected(seconds)
+        probe = self.cost_model.predict_draft(1) + float(verify[self._k] - verify[0])
         return best_rate / plain_rate, math.ceil(probe / (PROBE_BUDGET * base / plain_rate))
 
     def _curve(self, num_seqs: int, context_len: int) -> CostCurve:
