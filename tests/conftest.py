@@ -80,6 +80,17 @@ def tiny_dir(tmp_path_factory) -> callable:
     return get
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread for a test module: every float (and so every sampled token) is the same whatever the
+    machine's core count, and on a shared two-core machine tiny forwards take seconds, not minutes (OpenMP threads
+    waiting for each other). Drafter graphs are compiled for the count in force, which is then 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_process_settings():
     """An engine built with `num_threads` sets torch's process-wide thread count; restore it after each test, so a

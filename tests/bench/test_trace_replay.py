@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from deltaserve.bench import followup
 from deltaserve.bench import trace_replay as tr
@@ -17,13 +16,7 @@ REAL_TRACE = Path(tr.DEFAULT_TRACE)
 needs_trace = pytest.mark.skipif(not REAL_TRACE.exists(), reason="the Mooncake trace is not available here")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny forwards on one thread: with the cores shared by other processes, two-thread OpenMP barriers stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _row(ts: int, inp: int, out: int, ids: list[int]) -> dict:

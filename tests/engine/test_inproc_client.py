@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from deltaserve import SamplingParams
 from deltaserve.config import CacheConfig, EngineConfig
@@ -23,12 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

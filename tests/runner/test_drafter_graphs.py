@@ -29,13 +29,7 @@ def inputs(d: DSparkDrafter, batch: int) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.randn(batch, cfg.context_window, cfg.feature_size), valid, torch.randn(batch, cfg.hidden_size)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread, as the engine tests run: the graph is compiled for the count in force."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def no_compile(*_args) -> None:

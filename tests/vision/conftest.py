@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread) -> None:  # noqa: ANN001 - the shared fixture (tests/conftest.py)
+    """Every vision test under `one_thread`."""
