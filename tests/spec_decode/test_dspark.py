@@ -315,13 +315,8 @@ def test_windows_folded_after_steps_without_drafting_give_the_same_drafts(base, 
     assert long_gaps and all(long_gaps.values())
 
 
-def test_disable_by_batch_size_stops_the_drafter_forward_too(base, fitted_drafter):
-    """With `disable_by_batch_size`, steps at that load propose nothing, and the workers do not draft for them either
-    (drafts nobody would offer): the drafter runs only once fewer requests run; outputs unchanged."""
-    config = _replace_spec(engine_config(base), SpeculativeConfig(
-        method="dspark", num_speculative_tokens=K, model=fitted_drafter, enable_adaptive_verification=False,
-        disable_by_batch_size=2))
-    core = EngineCore(config)
+def count_drafter_batches(core: EngineCore) -> list[int]:
+    """The batch size of every drafter forward `core`'s worker runs from now on (appended as they run)."""
     drafting = core.executor.worker.runner.drafting  # type: ignore[attr-defined]
     batches: list[int] = []
 
@@ -330,6 +325,17 @@ def test_disable_by_batch_size_stops_the_drafter_forward_too(base, fitted_drafte
         return drafting.drafter(features, *args)
 
     drafting.forward = counted
+    return batches
+
+
+def test_disable_by_batch_size_stops_the_drafter_forward_too(base, fitted_drafter):
+    """With `disable_by_batch_size`, steps at that load propose nothing, and the workers do not draft for them either
+    (drafts nobody would offer): the drafter runs only once fewer requests run; outputs unchanged."""
+    config = _replace_spec(engine_config(base), SpeculativeConfig(
+        method="dspark", num_speculative_tokens=K, model=fitted_drafter, enable_adaptive_verification=False,
+        disable_by_batch_size=2))
+    core = EngineCore(config)
+    batches = count_drafter_batches(core)
     vocab = ModelConfig.from_pretrained(base).vocab_size
     for rid, n in (("short", 3), ("long", 14)):
         core.add_request(rid, prompt_ids(vocab, 6, seed=len(rid)), SamplingParams(temperature=0.0, max_tokens=n,
@@ -365,14 +371,7 @@ def test_probing_steps_draft_for_one_request_in_turn(base, fitted_drafter):
     core = EngineCore(config, proposer=counting)
     assert core.proposer_hook is not None
     core.proposer_hook.verifier = AlwaysProbing()
-    drafting = core.executor.worker.runner.drafting  # type: ignore[attr-defined]
-    batches: list[int] = []
-
-    def counted(features, *args):  # noqa: ANN001, ANN002, ANN202
-        batches.append(features.shape[0])
-        return drafting.drafter(features, *args)
-
-    drafting.forward = counted
+    batches = count_drafter_batches(core)
     assert run(core, requests(base)).tokens == plain_run(base, "float32").tokens
     assert batches and set(batches) == {1}
     assert all(len(ids) == 1 for ids in received) and len(set().union(*received)) >= 3
