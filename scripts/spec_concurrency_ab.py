@@ -54,7 +54,8 @@ def main() -> None:
                                        scheduler=SchedulerConfig(max_num_seqs=max(concurrencies))))
 
     cores = {"plain": engine(None), "spec": engine(SpeculativeConfig.from_json(args.speculative_config))}
-    workload = build_workload(args.workload, Tokenizer.from_pretrained(model), model, 2 * max(concurrencies), 0)
+    num_prompts = max(2 * max(concurrencies), 12)
+    workload = build_workload(args.workload, Tokenizer.from_pretrained(model), model, num_prompts, 0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=workload.ignore_eos)
     for name, core in cores.items():  # warm-up
         run_at(core, workload.prompts[:8], 4, params, f"warm-{name}")

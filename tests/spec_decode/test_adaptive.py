@@ -235,11 +235,11 @@ def test_judgements_are_reused_until_what_they_rest_on_changes():
 
 def test_close_calls_keep_exploring_and_clear_losses_do_not():
     """Acceptance 0.5 on 10 ms plain steps: with a 4 ms drafter, drafting's best expected rate is about 1.10x plain
-    decoding's, short of the 15% margin, so drafting is off except for exploring steps (rates learned from a few
-    steps must be able to recover), one in max(EXPLORE_INTERVAL, 80): a probe's 4 ms drafter forward and 4 ms of
-    verifying its 4 drafts cost PROBE_BUDGET (1%) of the time; a 5 ms drafter (about 1.04x) every 90th step; a
-    20 ms one loses by far (~0.57x) and never drafts."""
-    for draft_s, interval in ((4e-3, max(EXPLORE_INTERVAL, 80)), (5e-3, 90), (20e-3, None)):
+    decoding's, past the 5% margin: every step drafts. With a 5 ms drafter (about 1.04x), short of the margin,
+    drafting is off except for exploring steps (rates learned from a few steps must be able to recover), one in
+    max(EXPLORE_INTERVAL, 90): a probe's 5 ms drafter forward and 4 ms of verifying its 4 drafts cost PROBE_BUDGET
+    (1%) of the time; a 20 ms one loses by far (~0.57x) and never drafts."""
+    for draft_s, interval in ((4e-3, 1), (5e-3, max(EXPLORE_INTERVAL, 90)), (20e-3, None)):
         verifier = AdaptiveVerifier(grid_model(lambda b, t, c: 0.010 + 1e-3 * (t - b), query_lens=(1, 5),
                                                draft=lambda b, d=draft_s: d), 4)
         observe_steps(verifier, 0.5)
